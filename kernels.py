@@ -1,0 +1,228 @@
+"""
+Triton kernels for nanokv, each beside a plain-torch reference with the same signature and a dispatcher:
+Triton for CUDA tensors when triton imports, else the reference (the production path on CPU).
+rms_norm and rope run in every layer; window_attn_mass is the scorer that SnapKV, VASE, CriticalKV, R-KV
+and H2O share: the softmax attention of a window of queries over the cache, summed per key.
+Left out: backward passes, autotuning, and a fused attention for the forward pass (model.py uses SDPA).
+References: Triton tutorials 02, 05 and 06 (softmax, layer norm, fused attention);
+SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
+"""
+
+from __future__ import annotations  # lets the kernels' tl.constexpr annotations parse without triton
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+
+def _jit(fn):
+    # triton.jit when triton is installed; without it the kernels are plain functions that are never launched
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm: one program per row, the whole row in one block (D is at most a few thousand).
+
+
+@_jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = offs_d < D
+    x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    # masked lanes load 0, so they add nothing to the sum; we divide by the true D
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    # subtle: Llama rounds to the input dtype *before* the weight multiply; we do the same to match HF bit for bit
+    y = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs_d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    D = x.shape[-1]
+    assert x.stride(-1) == 1, "rms_norm: the last dim of x must be contiguous"
+    assert weight.shape == (D,) and weight.is_contiguous() and weight.dtype == x.dtype
+    x2 = x.reshape(-1, D)  # [N, D]; a view unless the leading dims are scattered
+    out = torch.empty_like(x2)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps,
+                                     BLOCK_D=triton.next_power_of_2(D))
+    return out.view(x.shape)
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return rms_norm_triton(x, weight, eps) if HAS_TRITON and x.is_cuda else rms_norm_ref(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE, HF half-split layout: each program rotates BLOCK_T positions of one (b, h).
+# x is often a strided view of a fused qkv projection, so we take its four strides instead of copying it.
+
+
+@_jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF,
+                 stride_xb, stride_xh, stride_xt, stride_xd,
+                 stride_ob, stride_oh, stride_ot, stride_ct,
+                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_t < T)[:, None] & (offs_d < HALF)[None, :]  # [BLOCK_T, BLOCK_HALF]
+    x1_ptrs = x_ptr + b * stride_xb + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)  # first half of each row
+    x2 = tl.load(x1_ptrs + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)  # second half
+    cs_offs = offs_t[:, None] * stride_ct + offs_d[None, :]  # cos and sin share one layout
+    cos = tl.load(cos_ptr + cs_offs, mask=mask, other=1.0)
+    sin = tl.load(sin_ptr + cs_offs, mask=mask, other=0.0)
+    o1_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :]
+    tl.store(o1_ptrs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o1_ptrs + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_triton(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    B, H, T, D = x.shape
+    assert D % 2 == 0 and cos.shape == sin.shape == (T, D // 2)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    out = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)  # contiguous, whatever x was
+    BLOCK_T = min(32, triton.next_power_of_2(T))  # decode has T=1: don't waste a 32-row tile on it
+    grid = (triton.cdiv(T, BLOCK_T), H, B)
+    _rope_kernel[grid](x, cos, sin, out, T, D // 2, *x.stride(), *out.stride()[:3], cos.stride(0),
+                       BLOCK_T=BLOCK_T, BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return out
+
+
+def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, H, T, D/2] each; cos, sin [T, D/2] broadcast over B, H
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return rope_triton(x, cos, sin) if HAS_TRITON and x.is_cuda else rope_ref(x, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Window attention mass: out[b, h, s] = sum_w softmax_s(q_w . k_s * scale | k_pos <= q_pos)[s].
+# One program per (b, h_q) with two passes over S (the online-softmax trick of tutorial 06, then a recompute),
+# so [B, H_q, W, S] never exists in memory. We chose (b, h_q) over (b, h_kv): the GQA group would share each K
+# tile, but the per-head column sums would need a [n_rep, W, S] reshape inside the kernel; the repeated K reads
+# of a group should mostly hit L2. BLOCK_S is fixed at 64; tuning it with @triton.autotune is left as an exercise.
+
+
+@_jit
+def _window_attn_mass_kernel(q_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, W, S, D, n_rep, scale,
+                             stride_qb, stride_qh, stride_qw, stride_qd,
+                             stride_kb, stride_kh, stride_ks, stride_kd,
+                             stride_pb, stride_ph, stride_ps, stride_qpos,
+                             stride_ob, stride_oh,
+                             BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    h_kv = h // n_rep  # GQA: consecutive query heads share one kv head
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_s0 = tl.arange(0, BLOCK_S)
+    # the window's queries stay in registers for both passes: [BLOCK_W, BLOCK_D]
+    q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_w[:, None] * stride_qw + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_w < W)[:, None] & (offs_d < D)[None, :], other=0.0)
+    # padded rows read -1, the same "empty ring slot" marker the cache uses, so they never attend
+    q_pos = tl.load(qpos_ptr + offs_w * stride_qpos, mask=offs_w < W, other=-1)
+    k_base = k_ptr + b * stride_kb + h_kv * stride_kh
+    p_base = kpos_ptr + b * stride_pb + h_kv * stride_ph
+
+    # pass 1: running row max m and row sum l of exp(logit - m) over every key each query may see
+    m = tl.full((BLOCK_W,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_W,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + offs_s0
+        k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=(offs_s < S)[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        k_pos = tl.load(p_base + offs_s * stride_ps, mask=offs_s < S, other=0)
+        # causal by token position, not by slot: heads keep different subsets, so slot order means nothing
+        valid = (k_pos[None, :] <= q_pos[:, None]) & (q_pos >= 0)[:, None] & (offs_s < S)[None, :]
+        # note: "ieee" keeps fp32 logits exact (tf32 errs ~1e-3 and could flip near-tied ranks); it only
+        # changes fp32 operands, bf16 ones take the tensor cores either way
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_W, BLOCK_S], fp32
+        logits = tl.where(valid, logits, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        # subtle: a row that has seen no valid key keeps m = -inf; shift by 0 there so we never compute -inf - -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
+        m = m_new
+    # log-sum-exp per query; +inf for a query with no valid key turns all its probabilities into exp(-inf) = 0
+    # (both sides of tl.where are evaluated, so we feed log a 1 rather than a 0 there)
+    lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("inf"))
+
+    # pass 2: recompute each tile's logits, normalise, and sum the probabilities over the window's queries
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + offs_s0
+        mask_s = offs_s < S
+        k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=mask_s[:, None] & (offs_d < D)[None, :], other=0.0)
+        k_pos = tl.load(p_base + offs_s * stride_ps, mask=mask_s, other=0)
+        valid = (k_pos[None, :] <= q_pos[:, None]) & (q_pos >= 0)[:, None] & mask_s[None, :]
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        p = tl.where(valid, tl.exp(logits - lse[:, None]), 0.0)  # [BLOCK_W, BLOCK_S]
+        # out is accumulated into, so the wrapper can feed a long window in chunks of queries
+        o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_s
+        acc = tl.load(o_ptrs, mask=mask_s, other=0.0)
+        tl.store(o_ptrs, acc + tl.sum(p, axis=0), mask=mask_s)
+
+
+def window_attn_mass_triton(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float) -> Tensor:
+    B, H_q, W, D = q.shape
+    _, H_kv, S, _ = k.shape
+    assert k.shape == (B, H_kv, S, D) and H_q % H_kv == 0 and q.dtype == k.dtype
+    assert q_pos.shape == (W,) and k_pos.shape == (B, H_kv, S)
+    assert q_pos.dtype == k_pos.dtype == torch.int64
+    out = torch.zeros((B, H_q, S), dtype=torch.float32, device=q.device)  # zeros: the kernel adds into it
+    # tl.dot needs every block dim >= 16; 128 queries per launch bounds the registers a program holds
+    CHUNK_W = 128
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    for w0 in range(0, W, CHUNK_W):
+        qc, pc = q[:, :, w0:w0 + CHUNK_W], q_pos[w0:w0 + CHUNK_W]  # views: strides carry the offset
+        BLOCK_W = max(16, triton.next_power_of_2(qc.shape[2]))
+        _window_attn_mass_kernel[(B, H_q)](qc, k, pc, k_pos, out, qc.shape[2], S, D, H_q // H_kv, scale,
+                                           *qc.stride(), *k.stride(), *k_pos.stride(), pc.stride(0),
+                                           out.stride(0), out.stride(1),
+                                           BLOCK_W=BLOCK_W, BLOCK_S=64, BLOCK_D=BLOCK_D)
+    return out
+
+
+def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float) -> Tensor:
+    B, H_q, W, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    n_rep = H_q // H_kv
+    # group the queries by kv head instead of repeating k: one batched matmul per kv head, k read once
+    qg = q.float().unflatten(1, (H_kv, n_rep))  # [B, H_kv, n_rep, W, D]
+    kt = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
+    out = torch.zeros((B, H_kv, n_rep, S), dtype=torch.float32, device=q.device)
+    # chunks of 256 queries bound the [B, H_kv, n_rep * 256, S] logits when H2O feeds a whole prefill chunk
+    for w0 in range(0, W, 256):
+        qc, pc = qg[:, :, :, w0:w0 + 256], q_pos[w0:w0 + 256]
+        Wc = qc.shape[3]
+        logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt) * scale  # [B, H_kv, n_rep * Wc, S]
+        # [B, H_kv, Wc, S] causal mask by token position, repeated over the group (the queries are n_rep-major)
+        valid = (k_pos[:, :, None, :] <= pc[:, None]) & (pc >= 0)[:, None]
+        valid = valid.repeat(1, 1, n_rep, 1)
+        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+        # masking again also zeroes the NaN rows of queries that had no valid key at all
+        probs = probs.masked_fill(~valid, 0.0)
+        out += probs.view(B, H_kv, n_rep, Wc, S).sum(3)
+    return out.view(B, H_q, S)
+
+
+def window_attn_mass(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float) -> Tensor:
+    if HAS_TRITON and q.is_cuda:
+        return window_attn_mass_triton(q, k, q_pos, k_pos, scale)
+    return window_attn_mass_ref(q, k, q_pos, k_pos, scale)
