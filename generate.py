@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -22,10 +23,10 @@ from model import ModelError, Tokenizer, load_model
 from policies import POLICIES, Policy, ScoreCtx
 
 DEFAULT_PROMPT = (
-    "A baker makes 3 trays of 12 muffins. She sells 20 muffins and gives 5 to a friend. "
-    "How many muffins does she have left? Think step by step."
+    "Lisa reads 12 pages on Monday, twice as many on Tuesday, and 5 fewer than Tuesday on Wednesday. "
+    "How many pages did she read in total? Show your reasoning step by step."
 )
-DEFAULT_BUDGET = 128  # for evicting policies: small enough that the default answer is evicted from
+DEFAULT_BUDGET = 192  # for evicting policies: fits the default protected prompt, and the default answer evicts
 N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected
 
 
@@ -63,6 +64,7 @@ class Run:
     rounds: int = 0  # eviction events so far
     evict_s: float = 0.0  # seconds spent in them
     max_slots: int = 0  # most slots ever held
+    watch: Callable | None = None  # watch(cache, "before" | "after") around each eviction, untimed (eval.py)
 
 
 def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int, seed: int = 0) -> Run:
@@ -105,6 +107,8 @@ def make_cache(model, run: Run, n_tokens: int, batch: int = 1) -> KVCache:
 
 def evict_round(model, cache: KVCache, run: Run):
     """Score every layer, then evict every layer back to the budget."""
+    if run.watch:
+        run.watch(cache, "before")
     t0 = time.perf_counter()
     S = cache.length[0]
     all_kv = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
@@ -118,7 +122,7 @@ def evict_round(model, cache: KVCache, run: Run):
         g = torch.Generator(keys.device).manual_seed(run.seed * 1_000_003 + run.rounds * 1_009 + layer)
         ctx = ScoreCtx(layer, keys, values, pos, protected, cache.q_ring[layer], cache.q_pos,
                        blk.self_attn.o_proj.weight, {n: s[layer, :, :, :S] for n, s in cache.side.items()},
-                       all_kv, model.cfg, run.budget, run.buffer, g, memo)
+                       all_kv, model.cfg, run.budget, run.buffer, g, run.budget if run.rounds else 0, memo)
         scores.append(run.policy.score(ctx))
     for layer, s in enumerate(scores):
         cache.evict(layer, s, run.budget, run.protect_below, run.buffer)
@@ -126,6 +130,8 @@ def evict_round(model, cache: KVCache, run: Run):
         torch.cuda.synchronize()
     run.rounds += 1
     run.evict_s += time.perf_counter() - t0
+    if run.watch:
+        run.watch(cache, "after")
 
 
 def feed(model, cache: KVCache, tokens: Tensor, run: Run, all_logits: bool = False) -> Tensor:
@@ -185,19 +191,19 @@ def generate(model, prompt: list[int], run: Run, max_new_tokens: int, temperatur
 
 
 def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: int = 96) -> str:
-    """One row per KV head: each character covers a span of positions, shaded by the fraction kept."""
+    """One row per KV head: each character covers `per` positions, shaded by the fraction of them kept."""
     n = cache.next_pos
-    per = max(1, -(-n // width))  # positions per character, rounded up
+    per = -(-n // width)  # positions per character, rounded up
     cols = -(-n // per)
     pos = cache.pos[layer, 0, :, : cache.length[layer]]  # [H_kv, S]
     kept = torch.zeros(pos.shape[0], cols * per, device=pos.device).scatter_(1, pos, 1.0)
-    frac = kept.view(pos.shape[0], cols, per).mean(-1).cpu()  # [H_kv, cols]
-    shades = " ░▒▓█"
-    region = "".join("P" if c * per < prompt_len else "R" if c * per >= n - buffer else "T" for c in range(cols))
-    lines = [f"kept slots of layer {layer}: 1 char = {per} positions, P prompt, T trace, R recent buffer",
+    span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
+    frac = (kept.view(-1, cols, per).cpu() * span).sum(-1) / span.sum(-1)  # [H_kv, cols]
+    shade = lambda f: " " if f == 0 else "█" if f == 1 else "░▒▓"[min(2, int(f * 3))]
+    region = "".join("P" if c * per < prompt_len else "R" if (c + 1) * per > n - buffer else "T" for c in range(cols))
+    lines = [f"kept positions, layer {layer}: 1 char = {per} positions (P prompt, T trace, R recent buffer)",
              f"         {region}"]
-    for h, row in enumerate(frac):
-        lines.append(f"head {h:<3} " + "".join(shades[0 if f == 0 else 4 if f == 1 else 1 + min(2, int(f * 3))] for f in row))
+    lines += [f"head {h:<3} " + "".join(shade(f) for f in row) for h, row in enumerate(frac.tolist())]
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_
     xf = x.to(tl.float32)
     # masked lanes load 0, so they add nothing to the sum; we divide by the true D
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    # subtle: Llama rounds to the input dtype *before* the weight multiply; we do the same to match HF bit for bit
+    # subtle: Llama rounds to the input dtype *before* the weight multiply; we round at the same point as HF
     y = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs_d, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -204,21 +204,22 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
     H_kv, S = k.shape[1], k.shape[2]
     n_rep = H_q // H_kv
     # group the queries by kv head instead of repeating k: one batched matmul per kv head, k read once
-    qg = q.float().unflatten(1, (H_kv, n_rep))  # [B, H_kv, n_rep, W, D]
+    qg = (q.float() * scale).unflatten(1, (H_kv, n_rep))  # [B, H_kv, n_rep, W, D]
     kt = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
-    out = torch.zeros((B, H_kv, n_rep, S), dtype=torch.float32, device=q.device)
-    # chunks of 256 queries bound the [B, H_kv, n_rep * 256, S] logits when H2O feeds a whole prefill chunk
+    out = torch.zeros((B, H_kv, n_rep, 1, S), dtype=torch.float32, device=q.device)
+    # chunks of 256 queries bound the [B, H_kv, n_rep, 256, S] logits when H2O feeds a whole prefill chunk
     for w0 in range(0, W, 256):
         qc, pc = qg[:, :, :, w0:w0 + 256], q_pos[w0:w0 + 256]
         Wc = qc.shape[3]
-        logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt) * scale  # [B, H_kv, n_rep * Wc, S]
-        # [B, H_kv, Wc, S] causal mask by token position, repeated over the group (the queries are n_rep-major)
-        valid = (k_pos[:, :, None, :] <= pc[:, None]) & (pc >= 0)[:, None]
-        valid = valid.repeat(1, 1, n_rep, 1)
-        probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-        # masking again also zeroes the NaN rows of queries that had no valid key at all
-        probs = probs.masked_fill(~valid, 0.0)
-        out += probs.view(B, H_kv, n_rep, Wc, S).sum(3)
+        logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt).view(B, H_kv, n_rep, Wc, S)
+        # causal by token position, not by slot; one mask broadcast over the group: [B, H_kv, 1, Wc, S]
+        masked = (k_pos[:, :, None, None, :] > pc[:, None]) | (pc < 0)[:, None]
+        # subtle: the most negative float, not -inf, so a query with no valid key gets a uniform row and no NaN;
+        # any valid key still pushes the masked ones to exp(-huge) = 0
+        probs = torch.softmax(logits.masked_fill_(masked, torch.finfo(torch.float32).min), dim=-1)
+        # sum over the chunk's queries as a matmul whose 0/1 weights also drop the keyless queries' rows
+        live = (~masked.all(-1, keepdim=True)).float()  # [B, H_kv, 1, Wc, 1]
+        out += live.transpose(-1, -2) @ probs  # [B, H_kv, n_rep, 1, S]
     return out.view(B, H_q, S)
 
 

@@ -136,10 +136,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def eager_attention(q: Tensor, keys: Tensor, values: Tensor, S0: int) -> Tensor:
+    """The attention math written out: fp32 scores, causal mask, softmax, @ V. The reference SDPA must match,
+    and the memory wall of methods that need the weights: q [B, H_q, T, D], keys/values [B, H_kv, S, D]."""
+    n_rep = q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(n_rep, 1).float(), values.repeat_interleave(n_rep, 1).float()
+    att = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H_q, T, S]
+    T, S = att.shape[-2:]
+    causal = torch.arange(S, device=q.device)[None, :] <= torch.arange(S0, S0 + T, device=q.device)[:, None]
+    return (att.masked_fill(~causal, -math.inf).softmax(-1) @ v).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__()
         self.cfg = cfg
+        self.eager = False  # set by Transformer.eager
         H_q, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.wqkv, self.bqkv, (self.q_proj, self.k_proj, self.v_proj) = fused(
             [H_q * D, H_kv * D, H_kv * D], cfg.hidden_size, cfg.qkv_bias, **kw
@@ -162,7 +174,9 @@ class Attention(nn.Module):
         q, k = qk[:, :H_q], qk[:, H_q:]
         S0 = cache.length[layer]
         keys, values = cache.append(layer, k, v, q)  # [B, H_kv, S, D], S = S0 + T
-        if S0 == 0 and T > 1:  # prefill into an empty cache: plain causal attention (FlashAttention on CUDA)
+        if self.eager:  # the materialised [B, H_q, T, S] matrix attention-weight methods need (bench --eager)
+            y = eager_attention(q, keys, values, S0)
+        elif S0 == 0 and T > 1:  # prefill into an empty cache: plain causal attention (FlashAttention on CUDA)
             y = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         else:
             # subtle: stack each KV head's group of query heads along the query axis, so SDPA reads every
@@ -221,6 +235,15 @@ class Transformer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.model = Inner(cfg, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+
+    @property
+    def eager(self) -> bool:
+        return self.model.layers[0].self_attn.eager
+
+    @eager.setter
+    def eager(self, on: bool):
+        for blk in self.model.layers:
+            blk.self_attn.eager = on
 
     @property
     def device(self):

@@ -40,6 +40,7 @@ class ScoreCtx:
     budget: int  # K: slots held right after an eviction, recent buffer included
     buffer: int  # r
     generator: torch.Generator  # seeded by (seed, layer, eviction round)
+    fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset)
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
 
 
@@ -147,20 +148,24 @@ def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     return (ctx.keys.float() @ G).square().sum(-1) * (ctx.values.float() @ G).square().sum(-1)
 
 
+def value_norms(values: Tensor, wo: Tensor) -> Tensor:
+    """||V_h W_O,h||_1: how far each value moves the layer output, through each query head's slice of
+    o_proj, L1 over the hidden size, mean over the query heads of its group. values [B, H_kv, S, D] -> [B, H_kv, S]."""
+    B, H_kv, S, D = values.shape
+    hidden = wo.shape[0]
+    n_rep = wo.shape[1] // (H_kv * D)
+    w = wo.view(hidden, H_kv, n_rep, D).permute(1, 3, 2, 0)  # [H_kv, D, n_rep, hidden]
+    out = torch.einsum("bksd,kdrh->bksrh", values, w)  # [B, H_kv, S, n_rep, hidden]
+    return out.float().abs().sum(-1).mean(-1)
+
+
 def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: float = 1e-4) -> Tensor:
     """CriticalKV (https://arxiv.org/abs/2502.03805): stage 1 keeps the top alpha * (K - r) by the base
     score; stage 2 ranks the rest by (s + eps) * ||V_h W_O,h||_1, the size of the change each value makes
-    to the layer output, averaged over the query heads of the group."""
+    to the layer output. A value's norm never changes, so we compute it once per slot and carry it."""
     s = base(ctx)  # [B, H_kv, S]
-    B, H_kv, S, D = ctx.values.shape
-    hidden, n_rep = ctx.wo.shape[0], ctx.cfg.n_rep
-    wo = ctx.wo.view(hidden, H_kv, n_rep * D)  # column block of each KV head's query group
-    # per KV head: values [B, S, D] through each group head's W_O slice -> L1 over hidden -> mean over group
-    norms = torch.stack([
-        (ctx.values[:, h] @ wo[:, h].view(hidden, n_rep, D).permute(2, 1, 0).reshape(D, n_rep * hidden))
-        .view(B, S, n_rep, hidden).float().abs().sum(-1).mean(-1)
-        for h in range(H_kv)
-    ], dim=1)  # [B, H_kv, S]
+    norms = ctx.side["vnorm"]  # a view into the cache's side state: filled here, gathered on eviction
+    norms[..., ctx.fresh :] = value_norms(ctx.values[:, :, ctx.fresh :], ctx.wo)
     stage1 = top_candidates(s, ctx.protected, int(alpha * (ctx.budget - ctx.buffer)))
     return ((s + eps) * norms).masked_fill(stage1, BIG)
 
@@ -258,7 +263,7 @@ POLICIES = {
     "random": Policy(random_, protect_prompt=True),
     "vase": Policy(vase, window=64),
     "vase-dkv": Policy(vase_dkv),
-    "criticalkv": Policy(criticalkv, window=64),
+    "criticalkv": Policy(criticalkv, window=64, side=("vnorm",)),
     "epikv": Policy(epikv, protect_prompt=True, observe=epikv_observe, side=("epikv",)),
     "epikv-band": Policy(epikv, protect_prompt=True, observe=partial(epikv_observe, bands=True), side=("epikv",)),
     "epikv-lag": Policy(epikv_lag, protect_prompt=True),
