@@ -1,0 +1,196 @@
+"""
+Decode speed, eviction overhead and peak memory of each policy against context length (`python eval.py bench`).
+
+For each (policy, context) we replay random token ids through `feed` up to the context, on the same eviction
+cadence as generation (the full cache prefills in one call), then time `--steps` greedy decode steps that end
+at position `context`. `--eager` adds full-cache rows whose attention materialises the [B, H_q, T, S] fp32
+matrix, the way attention-weight methods run with eager kernels, so the quadratic memory wall shows in the
+same table. Each row runs in a fresh subprocess, because the process's peak memory (ru_maxrss) never goes
+down. `--model` also takes a bare config.json: random weights of that shape, for speed runs.
+Left out: batching, CUDA graphs / torch.compile. Roofline as in gpt-fast's "memory-bandwidth bound" argument.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from generate import UsageError, autodetect_device, feed, load, make_cache, make_run, peak_memory_mb
+from model import ModelConfig, Transformer
+from policies import POLICIES
+
+WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
+
+
+def add_arguments(ap):
+    """Bench-only flags; eval.py already defines --model, --policies, --buffer, --seed and --out."""
+    ap.add_argument("--budget", type=int, default=512, help="K: cache slots right after an eviction (buffer included)")
+    ap.add_argument("--contexts", default="1024,4096,8192",
+                    help="comma list of positions (tokens) each timed decode window ends at")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per row (>= 2 x buffer so that "
+                    "at least one eviction lands in the window)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="leading tokens treated as the prompt "
+                    "(protected for random and epikv*, as in their papers)")
+    ap.add_argument("--eager", action="store_true", help="add full-cache rows with the materialised n x n "
+                    "fp32 attention (the eager reference) for each context")
+    if "--device" not in ap._option_string_actions:  # eval.py may already define the shared ones
+        ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    if "--dtype" not in ap._option_string_actions:
+        ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+
+
+def policy_names(arg) -> list[str]:
+    """'all' or 'full,snapkv' (or an already split list) -> registry names, full first."""
+    names = arg if isinstance(arg, list) else arg.split(",")
+    names = list(POLICIES) if names in (["all"], "all") else names
+    for n in names:
+        if n not in POLICIES:
+            raise UsageError(f"unknown policy {n!r}: choose from {', '.join(sorted(POLICIES))} or all")
+    return names
+
+
+def jobs(args) -> list[dict]:
+    """One dict of key fields per row: every policy x context, then the eager rows."""
+    contexts = [int(c) for c in str(args.contexts).split(",")]
+    if min(contexts) <= args.steps + WARMUP + args.prompt_len:
+        raise UsageError(f"every context must exceed --steps {args.steps} + {WARMUP} warm-up + --prompt-len "
+                         f"{args.prompt_len}: raise --contexts or lower --steps")
+    names = policy_names(args.policies)
+    for n in names:  # fail here, once, on a bad --budget / --buffer / prompt combination
+        make_run(n, None if n == "full" else args.budget, args.buffer, None, args.prompt_len)
+    rows = [{"policy": n, "context": c, "eager": False} for n in names for c in contexts]
+    return rows + ([{"policy": "full", "context": c, "eager": True} for c in contexts] if args.eager else [])
+
+
+def measure(args, job: dict) -> dict:
+    """Measure one row in a fresh Python process (honest per-row peak memory) and return it."""
+    opts = {k: getattr(args, k, None) for k in ("model", "device", "dtype", "budget", "buffer", "steps", "seed",
+                                                 "prompt_len")}
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps({**opts, **job})],
+                       capture_output=True, text=True)
+    if p.returncode < 0:  # killed by a signal: on Linux almost always the OOM killer (the eager memory wall)
+        return {**job, "error": f"killed by signal {-p.returncode} (out of memory?)"}
+    if p.returncode != 0:
+        raise RuntimeError(f"bench row {job} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# -----------------------------------------------------------------------------
+# one row, inside the subprocess
+
+
+def build_model(path, device, dtype):
+    """The model of a directory (or the default), or random weights for a bare config.json."""
+    if path and Path(path).is_file():
+        dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device == "cuda" else torch.float32
+        model = Transformer(ModelConfig.from_hf(path), device, dtype)
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():  # small random weights; norms 1 and biases 0 keep it tame
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+        return model.eval()
+    return load(path, device, dtype)[0]
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, mb: int = 256) -> float:
+    """Bytes/s of a large tensor copy (read + write), best of 5: the memory roofline of a decode step."""
+    a = torch.ones(mb * 2**18, device=device)  # mb MiB of fp32, far past the last-level cache
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best
+
+
+@torch.inference_mode()
+def measure_here(o: dict) -> dict:
+    device = o["device"] or autodetect_device()
+    model = build_model(o["model"], device, o["dtype"])
+    cfg, C, steps = model.cfg, o["context"], o["steps"]
+    if C > cfg.max_position_embeddings:
+        raise UsageError(f"context {C} exceeds the model's {cfg.max_position_embeddings} positions")
+    model.eager = o["eager"]
+    full = o["policy"] == "full"
+    run = make_run(o["policy"], None if full else o["budget"], o["buffer"], None, o["prompt_len"], o["seed"])
+    cache = make_cache(model, run, C)
+    g = torch.Generator().manual_seed(o["seed"])
+    ctx = torch.randint(cfg.vocab_size, (1, C - steps - WARMUP), generator=g).to(device)  # [B, T]
+    logits = feed(model, cache, ctx, run)  # replay (or one prefill for full) up to the window
+    for _ in range(WARMUP):
+        logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+    rounds0, evict0, slots = run.rounds, run.evict_s, 0
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # greedy decode: the timed window, evictions included
+        slots += cache.length[0]  # slots read by this step's attention (before its own token)
+        logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+    sync(device)
+    dt = time.perf_counter() - t0
+    n_ev, ev_s = run.rounds - rounds0, run.evict_s - evict0
+    peak = peak_memory_mb(device)  # read before the bandwidth probe allocates its own buffers
+    # roofline: each step reads every weight once (tied embeddings: once, as the LM head) and every held K/V
+    params = {p.data_ptr(): p.nbytes for p in model.parameters()}
+    w_bytes = sum(params.values()) - (0 if model.lm_head is None else model.model.embed_tokens.weight.nbytes)
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cache.k.element_size()
+    roof_tok_s = copy_bandwidth(device) / (w_bytes + kv_bytes * slots / steps)
+    return {
+        "policy": o["policy"], "context": C, "eager": o["eager"], "budget": None if full else o["budget"],
+        "buffer": o["buffer"], "ms_per_token": round(dt / steps * 1e3, 3), "tok_s": round(steps / dt, 2),
+        "roofline": round(steps / dt / roof_tok_s, 3),  # fraction of the bandwidth-bound tokens/s
+        "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per eviction event in the window
+        "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
+        "peak_mb": round(peak, 1), "slots": run.max_slots, "device": str(device), "dtype": str(cache.k.dtype),
+    }
+
+
+# -----------------------------------------------------------------------------
+# standalone use, until (and besides) `python eval.py bench`
+
+
+def main():
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Decode speed / eviction cost / peak memory per policy and context.")
+    ap.add_argument("--model", default=None, help="model directory, or a bare config.json for random weights "
+                    "(default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--policies", default="all", help="comma list of policies, or all (includes full)")
+    ap.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the random context and stochastic policies")
+    ap.add_argument("--out", default=None, help="append JSON rows to this file")
+    add_arguments(ap)
+    args = ap.parse_args()
+    try:
+        todo = jobs(args)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    for job in todo:
+        row = measure(args, job)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--one":  # the per-row worker that measure() spawns
+        try:
+            print(json.dumps(measure_here(json.loads(sys.argv[2]))))
+        except UsageError as e:
+            sys.exit(f"error: {e}")
+    else:
+        main()
