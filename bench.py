@@ -11,6 +11,7 @@ Left out: batching, CUDA graphs / torch.compile. Roofline as in gpt-fast's "memo
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -155,6 +156,7 @@ def measure_here(o: dict) -> dict:
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per eviction event in the window
         "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
         "peak_mb": round(peak, 1), "slots": run.max_slots, "device": str(device), "dtype": str(cache.k.dtype),
+        "load": round(os.getloadavg()[0], 2),  # 1-min load average: a busy machine spoils the timings
     }
 
 
@@ -192,5 +194,7 @@ if __name__ == "__main__":
             print(json.dumps(measure_here(json.loads(sys.argv[2]))))
         except UsageError as e:
             sys.exit(f"error: {e}")
+        except (MemoryError, torch.OutOfMemoryError) as e:  # the eager memory wall: a row that says so
+            print(json.dumps({**json.loads(sys.argv[2]), "error": f"out of memory: {str(e)[:200]}"}))
     else:
         main()

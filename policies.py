@@ -4,10 +4,10 @@ side state) to scores [B, H_kv or 1, S], higher = keep; cache.evict does the sel
 
 Left out: prefill-only methods, quantisation, anything that needs an n x n attention matrix (attention comes
 from the last w queries, w x S, or from one extra q.K^T per decode step for H2O).
-Papers: EPIKV, VASE (https://arxiv.org/abs/2510.xxxxx style links at each scorer), CriticalKV
-(https://arxiv.org/abs/2502.03805), Random Attention, SnapKV (https://arxiv.org/abs/2404.14469),
-H2O (https://arxiv.org/abs/2306.14048), StreamingLLM (https://arxiv.org/abs/2309.17453), R-KV
-(https://arxiv.org/abs/2505.24133).
+Papers: EPIKV (https://arxiv.org/abs/2606.26472), VASE (https://arxiv.org/abs/2606.03928), CriticalKV
+(https://arxiv.org/abs/2502.03805), Random Attention (prompt protection + per-head random keep), and the
+baselines SnapKV (https://arxiv.org/abs/2404.14469), H2O (https://arxiv.org/abs/2306.14048), StreamingLLM
+(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133).
 """
 
 import math
@@ -132,7 +132,7 @@ def random_(ctx: ScoreCtx) -> Tensor:
 
 
 def vase(ctx: ScoreCtx) -> Tensor:
-    """VASE-AttnV: reserve the N_v = K/4 tokens whose values have the largest range max(v) - min(v); draw
+    """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 tokens whose values have the largest range max(v) - min(v); draw
     the rest without replacement with probability proportional to SnapKV attention (temperature 1)."""
     v = ctx.values.float()
     reserved = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, ctx.budget // 4)
@@ -141,7 +141,7 @@ def vase(ctx: ScoreCtx) -> Tensor:
 
 
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
-    """VASE-DKV: CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian sketch G ~ N(0, 1/rank)
+    """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian sketch G ~ N(0, 1/rank)
     [D, rank] drawn afresh at every eviction (the generator is seeded per layer and round)."""
     D = ctx.keys.shape[-1]
     G = torch.randn(D, rank, generator=ctx.generator, device=ctx.keys.device) / math.sqrt(rank)
@@ -198,7 +198,7 @@ def epikv_bands(L: int, bands: bool) -> tuple[list[int], list[int]]:
 
 
 def epikv_observe(cache, out, state, bands: bool = False, window: int = 64):
-    """EPIKV: g_l(t) = ||h_l(t) - h_l(t-1)||_2 on the residual stream when token t is produced; score
+    """EPIKV (https://arxiv.org/abs/2606.26472): g_l(t) = ||h_l(t) - h_l(t-1)||_2 on the residual stream when token t is produced; score
     z_A(t) - z_B(t) with a causal rolling z-score, frozen into the token's slot (same for every layer and head)."""
     A, Bd = epikv_bands(len(out.hidden), bands)
     layers = A + Bd
