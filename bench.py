@@ -35,6 +35,8 @@ def add_arguments(ap):
                     "at least one eviction lands in the window)")
     ap.add_argument("--prompt-len", type=int, default=64, help="leading tokens treated as the prompt "
                     "(protected for random and epikv*, as in their papers)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = its default, one per "
+                    "core); 1 is steadier when other jobs share the machine")
     ap.add_argument("--eager", action="store_true", help="add full-cache rows with the materialised n x n "
                     "fp32 attention (the eager reference) for each context")
     if "--device" not in ap._option_string_actions:  # eval.py may already define the shared ones
@@ -70,7 +72,7 @@ def jobs(args) -> list[dict]:
 def measure(args, job: dict) -> dict:
     """Measure one row in a fresh Python process (honest per-row peak memory) and return it."""
     opts = {k: getattr(args, k, None) for k in ("model", "device", "dtype", "budget", "buffer", "steps", "seed",
-                                                 "prompt_len")}
+                                                 "prompt_len", "threads")}
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps({**opts, **job})],
                        capture_output=True, text=True)
     if p.returncode < 0:  # killed by a signal: on Linux almost always the OOM killer (the eager memory wall)
@@ -99,6 +101,14 @@ def build_model(path, device, dtype):
     return load(path, device, dtype)[0]
 
 
+def reset_peak(device):
+    """Forget the peak memory so far (loading the weights maps the file too, which would hide the run's own peak)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif Path("/proc/self/clear_refs").exists():
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the peak RSS that ru_maxrss reports
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -121,11 +131,14 @@ def copy_bandwidth(device, mb: int = 256) -> float:
 @torch.inference_mode()
 def measure_here(o: dict) -> dict:
     device = o["device"] or autodetect_device()
+    if o.get("threads"):
+        torch.set_num_threads(o["threads"])
     model = build_model(o["model"], device, o["dtype"])
     cfg, C, steps = model.cfg, o["context"], o["steps"]
     if C > cfg.max_position_embeddings:
         raise UsageError(f"context {C} exceeds the model's {cfg.max_position_embeddings} positions")
     model.eager = o["eager"]
+    reset_peak(device)  # note: the peak then counts the resident weights and torch, not the loading transient
     full = o["policy"] == "full"
     run = make_run(o["policy"], None if full else o["budget"], o["buffer"], None, o["prompt_len"], o["seed"])
     cache = make_cache(model, run, C)
@@ -156,7 +169,7 @@ def measure_here(o: dict) -> dict:
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per eviction event in the window
         "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
         "peak_mb": round(peak, 1), "slots": run.max_slots, "device": str(device), "dtype": str(cache.k.dtype),
-        "load": round(os.getloadavg()[0], 2),  # 1-min load average: a busy machine spoils the timings
+        "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),  # 1-min load average: a busy machine spoils the timings
     }
 
 

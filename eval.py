@@ -147,7 +147,8 @@ def pack_conversation(model, tok, problems: list[str], args) -> dict:
         if len(ids) + len(new) + args.max_new_tokens > cache.capacity:
             break
         ids += new
-        prompt_len = prompt_len if spans else len(ids)
+        if not spans:
+            prompt_len = len(ids)  # the system message and the first problem: what --protect-prompt keeps
         logits, answer = feed(model, cache, torch.tensor([new], device=model.device), full), []
         while len(answer) < args.max_new_tokens:
             answer.append(logits[0, -1].argmax().item())
@@ -174,16 +175,16 @@ def traces(args, lab: dict) -> list[dict]:
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
         qs = [r["question"] for r in load_data(args.data)]
-        # subtle: each conversation opens with the shortest problem left, so its protected first turn fits K - r
-        pool = sorted(qs[: args.n], key=lambda q: len(tok.encode(q)))
-        rest = iter(qs[args.n :])  # the last conversation may borrow problems past --n to reach --min-tokens
-        out, bar = [], tqdm(total=len(pool), desc="traces (full cache, greedy)")
+        pool, out = qs[: args.n], []
+        bar = tqdm(total=len(pool), desc="traces (full cache, greedy)")
         while pool:
-            queue = pool[:1] + sorted(pool[1:], key=qs.index) + list(rest)
-            conv = pack_conversation(model, tok, queue, args)
-            used = queue[: len(conv["spans"])]
-            pool = [q for q in pool if q not in used]
-            bar.update(len(used) - sum(q not in qs[: args.n] for q in used))
+            # subtle: each conversation opens with the shortest problem left, so its protected first turn fits
+            # K - r; the last one may borrow problems past --n to reach --min-tokens
+            first = min(pool, key=lambda q: len(tok.encode(q)))
+            queue = [first] + [q for q in pool if q != first]
+            conv = pack_conversation(model, tok, queue + qs[args.n :], args)
+            pool = queue[len(conv["spans"]) :]
+            bar.update(len(queue) - len(pool))
             out.append(conv)
         saved = {"key": key, "traces": out}
         if path:
@@ -199,12 +200,12 @@ def targets(trace: dict) -> torch.Tensor:
 
 @torch.inference_mode()
 def replay(model, ids: list[int], run, start: int = 0):
-    """Teacher-force ids through run's cache on the generation cadence; log-probs [T - start, V] from `start`."""
+    """Teacher-force ids through run's cache on the generation cadence; logits [T - start, V] from `start`."""
     cache = make_cache(model, run, len(ids))
     x = torch.tensor([ids], device=model.device)
     if start:
         feed(model, cache, x[:, :start], run)
-    return feed(model, cache, x[:, start:], run, all_logits=True)[0].log_softmax(-1)
+    return feed(model, cache, x[:, start:], run, all_logits=True)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -219,8 +220,8 @@ def fidelity(args, job: dict, lab: dict) -> dict:
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
         if i not in refs:  # the full cache's log-probs, once per trace: [N, V]
-            refs[i] = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 0))[at]
-        p, q = refs[i], replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at]
+            refs[i] = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 0))[at].log_softmax(-1)
+        p, q = refs[i], replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
         kl += (p.exp() * (p - q)).sum().item()
         top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
         gap += (p.gather(1, nxt) - q.gather(1, nxt)).sum().item()
@@ -236,7 +237,8 @@ def accuracy(args, job: dict, lab: dict) -> dict:
         prompt = tok.encode(tok.chat([{"role": "user", "content": row["question"] + ASK}]))
         ids, _, _ = generate(model, prompt, run_for(job, args, len(prompt)), args.max_new_tokens, eos_ids=tok.eos_ids)
         pred = extract_answer(tok.decode(ids), "####" in row["answer"])
-        right, answered, tokens = right + is_correct(pred, row["answer"]), answered + (pred is not None), tokens + len(ids)
+        right += is_correct(pred, row["answer"])
+        answered, tokens = answered + (pred is not None), tokens + len(ids)
     return {"accuracy": right / len(rows), "answered": answered / len(rows), "mean_tokens": tokens / len(rows)}
 
 
@@ -245,18 +247,19 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
     with the secret stated once, the question, and the answer tokens. Returns ids, prompt_len, answer span."""
     rng = random.Random(f"{seed}:{i}:{kind}")
     secret = "".join(rng.choice("0123456789") for _ in range(5 if kind == "passcode" else 4))
-    filler = tok.encode("\n\n".join(r["solution"] for r in rows[i:] + rows[:i]))
-    filler = (filler * (1 + gap // max(len(filler), 1)))[:gap]  # exactly `gap` tokens between secret and question
+    lead = 128 if kind == "fact" else 0  # the fact is planted after a first stretch of trace
+    filler = tok.encode("\n\n".join(r["solution"] for r in (rows * 2)[i : i + 40]))
+    filler = (filler * (1 + (lead + gap) // len(filler)))[: lead + gap]  # exactly `gap` tokens after the secret
     if kind == "passcode":
         said = f"The passcode is {secret}. Remember it."
         user = said + " Now work through these solutions." if where == "prompt" else "Work through these solutions."
         plant, question, prefix = ("" if where == "prompt" else said + "\n\n"), "What is the passcode?", "The passcode is"
-    else:  # planted fact: always in the trace, after a first stretch of it
+    else:
         user, question, prefix = "Work through these solutions.", "What is the value of x?", "The value of x is"
-        plant = tok.decode(filler[:128]) + f"\n\nLet x = {secret}.\n\n"
+        plant = f"\n\nLet x = {secret}.\n\n"
     msgs = [{"role": "user", "content": user}]
     head = tok.encode(tok.chat(msgs))
-    body = tok.encode(plant) + filler
+    body = filler[:lead] + tok.encode(plant) + filler[lead:]
     tail, text = turn_ids(tok, msgs + [{"role": "assistant", "content": "X"}, {"role": "user", "content": question}],
                           tok.chat(msgs) + "X")
     tail += tok.encode(prefix)
@@ -272,7 +275,7 @@ def probe(args, job: dict, lab: dict) -> dict:
     for i in range(args.n):
         pr = build_probe(tok, rows, i, args.seed, job["probe"], job["where"], args.gap)
         a, b = pr["answer"]
-        lp = replay(model, pr["ids"], run_for(job, args, pr["prompt_len"]), start=a - 1)[: b - a]  # [len, V]
+        lp = replay(model, pr["ids"], run_for(job, args, pr["prompt_len"]), start=a - 1)[: b - a].log_softmax(-1)
         want = torch.tensor(pr["ids"][a:b])[:, None]
         logprob += lp.gather(1, want).sum().item()
         recall += bool((lp.argmax(-1) == want[:, 0]).all())  # greedy would write exactly the answer

@@ -104,14 +104,16 @@ def h2o(ctx: ScoreCtx) -> Tensor:
 
 
 def h2o_observe(cache, out, state):
-    """After each forward: add the new queries' attention to every held key (one q.K^T, never n x n)."""
-    n_rep = cache.q_ring.shape[2] // cache.k.shape[2]
-    for layer, q in enumerate(out.queries):  # q [B, H_q, T, D]
-        S, T = cache.length[layer], q.shape[2]
-        keys, _ = cache.get(layer)
-        q_pos = torch.arange(cache.next_pos - T, cache.next_pos, device=q.device)
-        mass = window_attn_mass(q, keys, q_pos, cache.pos[layer, :, :, :S], 1.0 / math.sqrt(q.shape[-1]))
-        cache.side["h2o"][layer, :, :, :S] += group_mean(mass, n_rep) * n_rep  # sum over the group
+    """After each forward: add the new queries' attention to every held key (one q.K^T, never n x n).
+    Every layer holds the same number of slots, so all layers go through one batched call."""
+    L, B, H_kv = cache.k.shape[:3]
+    S = cache.length[0]
+    q = torch.stack(out.queries).flatten(0, 1)  # [L * B, H_q, T, D]
+    T, D = q.shape[-2:]
+    q_pos = torch.arange(cache.next_pos - T, cache.next_pos, device=q.device)
+    keys, pos = cache.k[:, :, :, :S].flatten(0, 1), cache.pos[:, :, :, :S].flatten(0, 1)  # [L * B, H_kv, S(, D)]
+    mass = window_attn_mass(q, keys, q_pos, pos, 1.0 / math.sqrt(D))  # [L * B, H_q, S]
+    cache.side["h2o"][:, :, :, :S] += mass.view(L, B, H_kv, -1, S).sum(3)  # summed over each GQA group
 
 
 def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5) -> Tensor:

@@ -141,6 +141,23 @@ def test_model_matches_naive_reference(arch, tmp_path):
     torch.testing.assert_close(full_logits(load_model(path), tokens), naive_forward(path, tokens), atol=1e-4, rtol=1e-4)
 
 
+def test_sharded_checkpoint_loads(tmp_path):
+    """A checkpoint split in two shards with model.safetensors.index.json loads to the same logits."""
+    from safetensors.torch import load_file
+
+    path = tiny_dir(str(tmp_path / "one"))
+    sd, shard = load_file(os.path.join(path, "model.safetensors")), str(tmp_path / "two")
+    tiny_dir(shard)
+    os.remove(os.path.join(shard, "model.safetensors"))
+    names = sorted(sd)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, ns in parts.items():
+        save_file({n: sd[n] for n in ns}, os.path.join(shard, f))
+    json.dump({"weight_map": {n: f for f, ns in parts.items() for n in ns}}, open(os.path.join(shard, "model.safetensors.index.json"), "w"))
+    tokens = torch.arange(1, 20)
+    torch.testing.assert_close(full_logits(load_model(shard), tokens), full_logits(load_model(path), tokens))
+
+
 def test_cached_decode_equals_full_forward(tiny):
     """Token-by-token decode through the cache gives the logits of one full forward (fp32)."""
     tokens = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(2))
