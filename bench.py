@@ -169,7 +169,8 @@ def measure_here(o: dict) -> dict:
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per eviction event in the window
         "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
         "peak_mb": round(peak, 1), "slots": run.max_slots, "device": str(device), "dtype": str(cache.k.dtype),
-        "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),  # 1-min load average: a busy machine spoils the timings
+        # the 1-minute load average: other jobs on the machine spoil the timings, so each row says how busy it was
+        "threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),
     }
 
 

@@ -71,7 +71,7 @@ class KVCache:
         S = self.length[layer]
         k, v, pos = self.k[layer], self.v[layer], self.pos[layer, :, :, :S]  # pos [B, H_kv, S]
         B, H, _, D = k.shape
-        scores = scores.float().expand(B, H, S)
+        scores = scores.float().nan_to_num(nan=-float("inf")).expand(B, H, S)  # a NaN must never outrank +inf
         protected = (pos < protect_below) | (torch.arange(S, device=pos.device) >= S - n_recent)
         scores = scores.masked_fill(protected, float("inf"))
         # keep the top `keep`, then restore temporal order so slots stay sorted by position

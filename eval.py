@@ -253,16 +253,17 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
     if kind == "passcode":
         said = f"The passcode is {secret}. Remember it."
         user = said + " Now work through these solutions." if where == "prompt" else "Work through these solutions."
-        plant, question, prefix = ("" if where == "prompt" else said + "\n\n"), "What is the passcode?", "The passcode is"
+        plant = "" if where == "prompt" else said + "\n\n"
+        question, prefix = "What is the passcode?", "The passcode is"
     else:
         user, question, prefix = "Work through these solutions.", "What is the value of x?", "The value of x is"
         plant = f"\n\nLet x = {secret}.\n\n"
     msgs = [{"role": "user", "content": user}]
     head = tok.encode(tok.chat(msgs))
     body = filler[:lead] + tok.encode(plant) + filler[lead:]
-    tail, text = turn_ids(tok, msgs + [{"role": "assistant", "content": "X"}, {"role": "user", "content": question}],
-                          tok.chat(msgs) + "X")
-    tail += tok.encode(prefix)
+    # the end of the assistant turn and the question, as the template writes them ("X" stands for the trace)
+    turns = msgs + [{"role": "assistant", "content": "X"}, {"role": "user", "content": question}]
+    tail = turn_ids(tok, turns, tok.chat(msgs) + "X")[0] + tok.encode(prefix)
     answer = tok.encode(prefix + " " + secret)[len(tok.encode(prefix)) :]
     ids = head + body + tail + answer
     return {"ids": ids, "prompt_len": len(head), "answer": (len(ids) - len(answer), len(ids))}
@@ -369,20 +370,20 @@ def write_json(path: Path, obj):
 
 
 def read_rows(path: str | None) -> list[dict]:
-    if not path or not Path(path).exists():
-        return []
     try:
-        rows = json.loads(Path(path).read_text())
-        assert isinstance(rows, list)
-        return rows
-    except (json.JSONDecodeError, AssertionError):
-        raise UsageError(f"--out {path} exists but is not a JSON list of rows: move it away or pick another file") from None
+        rows = json.loads(Path(path).read_text()) if path and Path(path).exists() else []
+    except json.JSONDecodeError:
+        rows = None
+    if not isinstance(rows, list):
+        raise UsageError(f"--out {path} is not a JSON list of rows: move it away or pick another file")
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """A Markdown table; columns that are the same in every row move to one caption line above it."""
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    same = [c for c in cols if len(rows) > 1 and len({json.dumps(r.get(c)) for r in rows}) == 1 and c not in ("policy", "budget")]
+    same = [c for c in cols if len(rows) > 1 and c not in ("policy", "budget")
+            and len({json.dumps(r.get(c)) for r in rows}) == 1]
     fmt = lambda v: "–" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
     cols = [c for c in cols if c not in same]
     lines = [" ".join(f"{c}={fmt(rows[0][c])}" for c in same)] if same else []

@@ -118,13 +118,19 @@ def h2o_observe(cache, out, state):
 
 def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5) -> Tensor:
     """R-KV (https://arxiv.org/abs/2505.24133): important and not redundant. lam * attention (last 8 queries,
-    max-pooled over 7 keys) - (1 - lam) * redundancy (a key's mean cosine similarity to the others above
-    `threshold`, softmax over S). note: the similarity is S x S over the *cached* keys, bounded by K + r."""
+    max-pooled over 7 keys) - (1 - lam) * redundancy (a key's mean cosine similarity to the others, softmax
+    over S). note: the similarity is S x S over the *cached* keys, bounded by K + r, never the sequence."""
     attn = group_mean(F.max_pool1d(window_attention(ctx, w=8), kernel_size=7, stride=1, padding=3), ctx.cfg.n_rep)
     k = F.normalize(ctx.keys.float(), dim=-1)
-    sim = k @ k.transpose(-1, -2)  # [B, H_kv, S, S]
-    sim = sim * (sim > threshold) * (1 - torch.eye(sim.shape[-1], device=sim.device))
-    redundancy = sim.mean(-1).softmax(-1)
+    sim = k @ k.transpose(-1, -2)  # [B, H_kv, S, S] cosine similarity of every pair of cached keys
+    S = sim.shape[-1]
+    sim = sim * (1 - torch.eye(S, device=sim.device))
+    # subtle: for each key, its newest look-alike (similarity > threshold) is not counted as redundant, so the
+    # latest copy of a repeated passage survives while older copies are penalised
+    idx = torch.arange(S, device=sim.device)
+    newest = torch.where(sim > threshold, idx, -1).amax(-1, keepdim=True)  # [B, H_kv, S, 1], -1 = none
+    sim = sim.masked_fill((idx == newest) & (newest >= 0), 0.0)
+    redundancy = sim.mean(-2).softmax(-1)  # [B, H_kv, S]
     return lam * attn - (1 - lam) * redundancy
 
 
@@ -157,8 +163,10 @@ def value_norms(values: Tensor, wo: Tensor) -> Tensor:
     hidden = wo.shape[0]
     n_rep = wo.shape[1] // (H_kv * D)
     w = wo.view(hidden, H_kv, n_rep, D).permute(1, 3, 2, 0)  # [H_kv, D, n_rep, hidden]
-    out = torch.einsum("bksd,kdrh->bksrh", values, w)  # [B, H_kv, S, n_rep, hidden]
-    return out.float().abs().sum(-1).mean(-1)
+    # in chunks of slots: the projected values are [B, H_kv, S, n_rep, hidden], GBs at 8B-model scale
+    return torch.cat([
+        torch.einsum("bksd,kdrh->bksrh", v, w).float().abs().sum(-1).mean(-1) for v in values.split(256, dim=2)
+    ], dim=2)
 
 
 def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: float = 1e-4) -> Tensor:
@@ -228,14 +236,16 @@ def epikv(ctx: ScoreCtx) -> Tensor:
 
 def epikv_lag(ctx: ScoreCtx, chunk: int = 128) -> Tensor:
     """EPIKV lag-normalised KV: in chunks of 128 slots, normalise K and V per channel by the *previous*
-    chunk's min/max (the first chunk raw); score = std over D of K plus of V, mean over heads and layers."""
+    chunk's min/max; score = std over D of K plus of V, mean over heads and layers.
+    note: DESIGN.md leaves the first chunk raw, but raw values sit on another scale than [0, 1] and would
+    always win (the oldest 128 slots could never be evicted), so we normalise it by its own min/max."""
     if "lag" not in ctx.memo:  # every layer of the round gets the same score: compute it once
         total = 0
         for x in ctx.all_kv:  # [L, B, H_kv, S, D]
             x = x.float()
-            out = x.clone()
-            for c in range(chunk, x.shape[3], chunk):
-                ref = x[:, :, :, c - chunk : c]
+            out = torch.empty_like(x)
+            for c in range(0, x.shape[3], chunk):
+                ref = x[:, :, :, max(c - chunk, 0) : max(c, chunk)]  # previous chunk (the first: itself)
                 lo, hi = ref.amin(3, keepdim=True), ref.amax(3, keepdim=True)
                 out[:, :, :, c : c + chunk] = (x[:, :, :, c : c + chunk] - lo) / (hi - lo + 1e-9)
             total = total + out.std(-1, unbiased=False).mean((0, 2))  # [B, S]

@@ -348,6 +348,16 @@ def test_random_is_seeded_and_per_head():
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a[:, 0], a[:, 1])
 
 
+def test_rkv_redundancy_spares_the_newest_copy():
+    """rkv: of three identical keys the newest is penalised least (its own look-alikes are not counted)."""
+    ctx = ctx_for(S=6, H_kv=1, n_rep=1, budget=4, buffer=1, prompt=0)
+    k = torch.eye(8)[:6].clone()
+    k[1] = k[3] = k[4] = torch.ones(8)  # positions 1, 3, 4 repeat one key
+    ctx.keys = k.view(1, 1, 6, 8)
+    s = P.rkv(ctx, lam=0.0)  # redundancy alone
+    assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
+
+
 def test_rolling_z_hand_worked():
     """EPIKV's rolling z: window [1, 3, 5] -> (5 - 3) / 1.633 = 1.2247; fewer than 2 values -> 0; window slides."""
     z = P.rolling_z(torch.tensor([1.0, 3.0]), torch.tensor([5.0]))
@@ -357,14 +367,15 @@ def test_rolling_z_hand_worked():
 
 
 def test_epikv_lag_hand_worked():
-    """epikv-lag: chunk 2 is normalised by chunk 1's per-channel min/max, chunk 1 stays raw (std over D)."""
+    """epikv-lag: chunk 2 is normalised by chunk 1's per-channel min/max, chunk 1 by its own (std over D)."""
     x = torch.tensor([[0.0, 2.0], [2.0, 4.0], [1.0, 3.0], [2.0, 2.0]])  # [S=4, D=2], chunk = 2
     kv = x.view(1, 1, 1, 4, 2)
     ctx = ctx_for()
     ctx.all_kv = (kv, kv)
     got = P.epikv_lag(ctx, chunk=2)[0, 0]
-    # chunk 1 raw std: [1, 1]; chunk 2 by min [0, 2] / range [2, 2]: rows [0.5, 0.5], [1, 0] -> std [0, 0.5]
-    torch.testing.assert_close(got, 2 * torch.tensor([1.0, 1.0, 0.0, 0.5]), atol=1e-6, rtol=0)
+    # chunk 1 by itself: rows [0, 0], [1, 1] -> std [0, 0]; chunk 2 by chunk 1's min [0, 2], range [2, 2]:
+    # rows [0.5, 0.5], [1, 0] -> std [0, 0.5]; K and V are equal here, so the score doubles
+    torch.testing.assert_close(got, 2 * torch.tensor([0.0, 0.0, 0.0, 0.5]), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(set(P.POLICIES) - {"full"}))
