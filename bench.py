@@ -64,7 +64,8 @@ def jobs(args) -> list[dict]:
                          f"{args.prompt_len}: raise --contexts or lower --steps")
     names = policy_names(args.policies)
     for n in names:  # fail here, once, on a bad --budget / --buffer / prompt combination
-        make_run(n, None if n == "full" else args.budget, args.buffer, None, args.prompt_len)
+        make_run(n, None if n == "full" else args.budget, args.buffer, getattr(args, "protect_prompt", None),
+                 args.prompt_len)
     rows = [{"policy": n, "context": c, "eager": False} for n in names for c in contexts]
     return rows + ([{"policy": "full", "context": c, "eager": True} for c in contexts] if args.eager else [])
 
@@ -72,7 +73,7 @@ def jobs(args) -> list[dict]:
 def measure(args, job: dict) -> dict:
     """Measure one row in a fresh Python process (honest per-row peak memory) and return it."""
     opts = {k: getattr(args, k, None) for k in ("model", "device", "dtype", "budget", "buffer", "steps", "seed",
-                                                 "prompt_len", "threads")}
+                                                 "prompt_len", "threads", "protect_prompt")}
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps({**opts, **job})],
                        capture_output=True, text=True)
     if p.returncode < 0:  # killed by a signal: on Linux almost always the OOM killer (the eager memory wall)
@@ -140,7 +141,8 @@ def measure_here(o: dict) -> dict:
     model.eager = o["eager"]
     reset_peak(device)  # note: the peak then counts the resident weights and torch, not the loading transient
     full = o["policy"] == "full"
-    run = make_run(o["policy"], None if full else o["budget"], o["buffer"], None, o["prompt_len"], o["seed"])
+    protect = o.get("protect_prompt")  # eval.py's --protect-prompt; None = each policy's paper default
+    run = make_run(o["policy"], None if full else o["budget"], o["buffer"], protect, o["prompt_len"], o["seed"])
     cache = make_cache(model, run, C)
     g = torch.Generator().manual_seed(o["seed"])
     ctx = torch.randint(cfg.vocab_size, (1, C - steps - WARMUP), generator=g).to(device)  # [B, T]

@@ -207,9 +207,10 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
     qg = (q.float() * scale).unflatten(1, (H_kv, n_rep))  # [B, H_kv, n_rep, W, D]
     kt = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
     out = torch.zeros((B, H_kv, n_rep, 1, S), dtype=torch.float32, device=q.device)
-    # chunks of 256 queries bound the [B, H_kv, n_rep, 256, S] logits when H2O feeds a whole prefill chunk
-    for w0 in range(0, W, 256):
-        qc, pc = qg[:, :, :, w0:w0 + 256], q_pos[w0:w0 + 256]
+    # query chunks bound the [B, H_kv, n_rep, chunk, S] logits to ~16 MB when H2O feeds a whole prefill chunk
+    chunk = max(1, 2**22 // (B * H_q * S))
+    for w0 in range(0, W, chunk):
+        qc, pc = qg[:, :, :, w0:w0 + chunk], q_pos[w0:w0 + chunk]
         Wc = qc.shape[3]
         logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt).view(B, H_kv, n_rep, Wc, S)
         # causal by token position, not by slot; one mask broadcast over the group: [B, H_kv, 1, Wc, S]
