@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU, fp32 only
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+import bench
 import generate as G
 import kernels
 import policies as P
@@ -543,3 +545,44 @@ def test_tokenizer_round_trip_and_chat_template(smollm):
     assert tok.chat([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# -----------------------------------------------------------------------------
+# the cost benchmark
+
+
+BENCH_TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": True}
+BENCH_FIELDS = {"policy", "context", "ms_per_token", "tok_s", "roofline", "evict_ms", "evict_share", "peak_mb", "slots"}
+
+
+def test_bench_rows(tmp_path):
+    """The bench's JSON rows have the issue's fields and sane values (tiny random model, 2 contexts, 2 policies)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(BENCH_TINY))
+    args = SimpleNamespace(model=str(cfg), policies="full,snapkv", budget=64, buffer=16, contexts="160,288",
+                           steps=32, prompt_len=8, eager=False, seed=0, device="cpu", dtype=None, threads=1)
+    todo = bench.jobs(args)
+    assert [(j["policy"], j["context"]) for j in todo] == [("full", 160), ("full", 288), ("snapkv", 160), ("snapkv", 288)]
+    for i, job in enumerate(todo):  # one row through the real path (a fresh subprocess), the rest in-process
+        row = bench.measure(args, job) if i == len(todo) - 1 else bench.measure_here({**vars(args), **job})
+        json.dumps(row)  # plain JSON
+        assert BENCH_FIELDS <= row.keys(), row
+        assert row["ms_per_token"] > 0 and row["tok_s"] > 0 and row["roofline"] > 0 and row["peak_mb"] > 0
+        if row["policy"] == "full":
+            assert row["slots"] == row["context"] and row["evict_ms"] is None and row["evict_share"] == 0
+        else:  # 32 steps with r = 16: two evictions land in the timed window
+            assert row["slots"] <= 64 + 16 and row["evictions"] == 2
+            assert row["evict_ms"] > 0 and 0 < row["evict_share"] < 1
+
+
+def test_bench_jobs_eager_and_errors(tmp_path):
+    """--eager adds full-cache eager rows; a context too short for the window is refused with the numbers."""
+    args = SimpleNamespace(policies="all", budget=512, buffer=64, contexts="1024,2048", steps=128, prompt_len=64,
+                           eager=True)
+    todo = bench.jobs(args)
+    assert len(todo) == 2 * len(bench.POLICIES) + 2 and todo[-1] == {"policy": "full", "context": 2048, "eager": True}
+    args.contexts = "150"
+    with pytest.raises(bench.UsageError, match="--steps 128"):
+        bench.jobs(args)
