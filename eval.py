@@ -135,9 +135,9 @@ def turn_ids(tok, messages: list[dict], text: str) -> tuple[list[int], str]:
 
 
 @torch.inference_mode()
-def pack_conversation(model, tok, problems: list[str], args) -> dict:
+def pack_conversation(model, tok, problems: list[str], args, out: list) -> dict:
     """Greedy full-cache answers to problems, one user turn each, until the conversation holds --min-tokens.
-    Returns ids, the prompt length (first turn) and the [start, end) spans of generated tokens."""
+    Appends to out and returns ids, the prompt length (first turn) and the [start, end) spans of the answers."""
     full = make_run("full", None, args.buffer, None, 0)
     cache = make_cache(model, full, args.min_tokens + 2 * args.max_new_tokens + 1024)
     messages, text, ids, spans = [{"role": "system", "content": SYSTEM}], "", [], []
@@ -162,7 +162,8 @@ def pack_conversation(model, tok, problems: list[str], args) -> dict:
         text += messages[-1]["content"]
         if len(ids) >= args.min_tokens:
             break
-    return {"ids": ids, "prompt_len": prompt_len, "spans": spans}
+    out.append({"ids": ids, "prompt_len": prompt_len, "spans": spans})
+    return out[-1]
 
 
 def traces(args, lab: dict) -> list[dict]:
@@ -176,16 +177,14 @@ def traces(args, lab: dict) -> list[dict]:
         model, tok = model_of(args, lab)
         qs = [r["question"] for r in load_data(args.data)]
         pool, out = qs[: args.n], []
+        spare = sorted(qs[args.n :], key=lambda q: len(tok.encode(q)))  # problems past --n, shortest first
         bar = tqdm(total=len(pool), desc="traces (full cache, greedy)")
         while pool:
-            # subtle: each conversation opens with the shortest problem left, so its protected first turn fits
-            # K - r; the last one may borrow problems past --n to reach --min-tokens
-            first = min(pool, key=lambda q: len(tok.encode(q)))
-            queue = [first] + [q for q in pool if q != first]
-            conv = pack_conversation(model, tok, queue + qs[args.n :], args)
-            pool = queue[len(conv["spans"]) :]
-            bar.update(len(queue) - len(pool))
-            out.append(conv)
+            # subtle: each conversation opens with the shortest spare problem, so that its protected first turn
+            # fits K - r even at K = 128; the last one may borrow more spare problems to reach --min-tokens
+            k = len(pack_conversation(model, tok, spare[:1] + pool + spare[1:], args, out)["spans"]) - 1
+            spare, pool = spare[1 + max(0, k - len(pool)) :], pool[k:]
+            bar.update(min(k, bar.total - bar.n))
         saved = {"key": key, "traces": out}
         if path:
             write_json(path, saved)
@@ -216,17 +215,20 @@ def fidelity(args, job: dict, lab: dict) -> dict:
     model, _ = model_of(args, lab)
     refs = lab.setdefault("refs", {})
     kl = top1 = gap = n = 0.0
+    by_trace = []  # mean KL per trace: the same traces for every policy, so differences can be paired
     for i, tr in enumerate(traces(args, lab)):
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
         if i not in refs:  # the full cache's log-probs, once per trace: [N, V]
             refs[i] = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 0))[at].log_softmax(-1)
         p, q = refs[i], replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
-        kl += (p.exp() * (p - q)).sum().item()
+        by_trace.append((p.exp() * (p - q)).sum().item())
+        kl += by_trace[-1]
+        by_trace[-1] /= len(at)
         top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
         gap += (p.gather(1, nxt) - q.gather(1, nxt)).sum().item()
         n += len(at)
-    return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n)}
+    return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace}
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
@@ -296,18 +298,20 @@ def window_output(cache, layer: int) -> torch.Tensor:
 
 
 def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> torch.Tensor:
-    """CriticalKV's measure on the fidelity traces: ||o - o_hat||_1 of each window query's attention output
-    before vs after an eviction round, mean over queries, the GQA group and rounds -> [L, H_kv]."""
+    """CriticalKV's measure on the fidelity traces: ||o - o_hat||_1 of each window query's per-head attention
+    output projected through that head's slice of o_proj (as in the paper, o = A V W_O), before vs after an
+    eviction round, L1 over the hidden size, mean over queries, the GQA group and rounds -> [L, H_kv]."""
     memo = lab.setdefault("perturb", {})
     if (policy, budget, protect) in memo:
         return memo[policy, budget, protect]
     model, _ = model_of(args, lab)
-    L, H_kv = model.cfg.num_hidden_layers, model.cfg.num_key_value_heads
+    L, H_kv, H_q = model.cfg.num_hidden_layers, model.cfg.num_key_value_heads, model.cfg.num_attention_heads
+    wo = [blk.self_attn.o_proj.weight.float().view(-1, H_q, model.cfg.head_dim) for blk in model.model.layers]
     total, rounds, before = torch.zeros(L, H_kv), 0, {}
 
     def watch(cache, when):  # called around each eviction round (untimed)
         nonlocal total, rounds
-        outs = [window_output(cache, layer)[0] for layer in range(L)]  # [H_q, w, D] each
+        outs = [torch.einsum("hwd,ohd->hwo", window_output(cache, l)[0], wo[l]) for l in range(L)]  # [H_q, w, hidden]
         if when == "before":
             before["o"] = outs
             return
@@ -357,7 +361,9 @@ def make_jobs(args) -> list[dict]:
     protect = lambda p: POLICIES[p].protect_prompt if args.protect_prompt is None else args.protect_prompt
     jobs = [] if args.cmd == "perturbation" else [{"policy": "full", "budget": None, "protect": None}]
     jobs += [{"policy": p, "budget": b, "protect": protect(p)} for p in names for b in budgets]
-    extra = {"probe": args.probe, "where": args.where} if args.cmd == "probe" else {}
+    extra = {}
+    if args.cmd == "probe":  # the planted fact always sits in the trace: --where is for the passcode
+        extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None}
     common = {"data": Path(args.data).name, "n": args.n, "buffer": args.buffer, "seed": args.seed}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
 
@@ -379,10 +385,11 @@ def read_rows(path: str | None) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    """A Markdown table; columns that are the same in every row move to one caption line above it."""
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    same = [c for c in cols if len(rows) > 1 and c not in ("policy", "budget")
+def markdown(rows: list[dict], keys=()) -> str:
+    """A Markdown table; key columns that are the same in every row move to one caption line above it, lists
+    stay in the JSON only."""
+    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list)))
+    same = [c for c in cols if len(rows) > 1 and c in keys and c not in ("policy", "budget")
             and len({json.dumps(r.get(c)) for r in rows}) == 1]
     fmt = lambda v: "–" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
     cols = [c for c in cols if c not in same]
@@ -442,8 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perturbation", parents=[shared], help="CriticalKV's ||o - o_hat||_1 at each eviction")
     p.add_argument("--min-tokens", type=int, default=1024, help="as for fidelity (the same traces)")
     try:
-        import bench
-    except ImportError:
+        import bench  # the speed benchmark lives in its own file; without it there is no bench subcommand
+    except ModuleNotFoundError as e:
+        if e.name != "bench":
+            raise
         return ap
     bench.add_arguments(sub.add_parser("bench", parents=[shared], help="decode speed, eviction cost, peak memory"))
     return ap
@@ -463,7 +472,7 @@ def main(argv=None):
             load_data(args.data)  # fail on a bad file before loading the model
             jobs, lab = make_jobs(args), {}
             measure = lambda job: TASKS[args.cmd](args, job, lab)
-        print(markdown(run_jobs(args, jobs, measure)))
+        print(markdown(run_jobs(args, jobs, measure), keys=set().union(*jobs)))
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import bench
+import eval as ev
 import generate as G
 import kernels
 import policies as P
@@ -586,3 +587,176 @@ def test_bench_jobs_eager_and_errors(tmp_path):
     args.contexts = "150"
     with pytest.raises(bench.UsageError, match="--steps 128"):
         bench.jobs(args)
+
+
+# -----------------------------------------------------------------------------
+# evaluation: fidelity, replay cadence, answers, probes, resume, errors
+
+
+def trace_lab(model, T=160, prompt_len=10):
+    ids = torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(1)).tolist()
+    return {"model": model, "tok": None, "traces": [{"ids": ids, "prompt_len": prompt_len, "spans": [[prompt_len, T]]}]}
+
+
+def args_for(*argv):
+    return ev.build_parser().parse_args(list(argv))
+
+
+# -----------------------------------------------------------------------------
+# fidelity and replay
+
+
+def test_fidelity_full_against_itself(tiny):
+    """The full cache replayed against its own reference gives kl = 0, top1 = 1, nll_gap = 0."""
+    args = args_for("fidelity", "--buffer", "8")
+    row = ev.fidelity(args, {"policy": "full", "budget": None, "protect": None}, trace_lab(tiny))
+    assert row["kl"] == 0 and row["top1"] == 1 and row["nll_gap"] == 0 and row["tokens"] == 150
+
+
+def test_fidelity_sees_eviction(tiny):
+    """A small budget that evicts gives a positive KL on the same trace."""
+    args = args_for("fidelity", "--buffer", "8")
+    row = ev.fidelity(args, {"policy": "streaming", "budget": 24, "protect": False}, trace_lab(tiny))
+    assert row["kl"] > 1e-4 and row["tokens"] == 150
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv", "vase", "criticalkv", "epikv", "epikv-lag"])
+def test_chunked_replay_equals_token_by_token(tiny, policy):
+    """Feeding the r tokens between evictions as one chunk gives the logits and kept slots of one-at-a-time decode."""
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
+    out = []
+    for chunked in (True, False):
+        run = G.make_run(policy, 24, 8, None if policy in ("streaming", "snapkv") else False, 10, seed=3)
+        cache = G.make_cache(tiny, run, 100)
+        with torch.inference_mode():
+            if chunked:
+                logits = G.feed(tiny, cache, ids, run, all_logits=True)
+            else:
+                logits = torch.cat([G.feed(tiny, cache, ids[:, i : i + 1], run, all_logits=True) for i in range(100)], 1)
+        out.append((logits, cache.pos[:, :, :, : cache.length[0]].clone(), run.rounds))
+    (a, pa, ra), (b, pb, rb) = out
+    assert ra == rb > 0
+    assert torch.equal(pa, pb)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_perturbation_snapkv_against_itself(tiny):
+    """Perturbation rows: snapkv is never better than itself, and the measure is positive when tokens go."""
+    args = args_for("perturbation", "--buffer", "8")
+    row = ev.perturbation(args, {"policy": "snapkv", "budget": 24, "protect": False}, trace_lab(tiny))
+    assert row["mean_l1"] > 0 and row["heads_better_than_snapkv"] == 0
+
+
+# -----------------------------------------------------------------------------
+# answers
+
+
+@pytest.mark.parametrize("output, answer, ok", [
+    ("She pays 16 - 3 = 13, so $18 in total.", "... #### 18", True),  # last number
+    ("The answer is \\boxed{18} (not 20).", "... #### 18", True),  # the box wins over the last number
+    ("It drops by -12 degrees", "... #### -12", True),  # negative numbers
+    ("Total: 1,234 apples", "... #### 1234", True),  # thousands separator
+    ("So 7.", "... #### 8", False),
+])
+def test_gsm8k_answers(output, answer, ok):
+    """GSM8K: '####' gold against the last \\boxed{} or else the last number, compared as numbers."""
+    assert ev.is_correct(ev.extract_answer(output, gsm8k=True), answer) == ok
+
+
+@pytest.mark.parametrize("output, answer, ok", [
+    ("so $\\boxed{\\dfrac{3}{4}}$.", "\\frac{3}{4}", True),  # dfrac = frac
+    ("\\boxed{3/4}", "\\frac34", True),  # a/b = \frac{a}{b}
+    ("\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("the angle is \\boxed{90^\\circ}.", "90", True),
+    ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}", True),
+    ("\\boxed{-5}", "-5", True),
+    ("\\boxed{5}", "-5", False),
+    ("first \\boxed{2}, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True),  # the last box
+    ("no box, the answer is 4", "4", False),  # MATH needs a box
+    ("\\boxed{\\frac{1", "1", False),  # cut off mid-box
+])
+def test_math_answers(output, answer, ok):
+    """MATH-500 / AIME: last \\boxed{} with the data README's light normalisation."""
+    assert ev.is_correct(ev.extract_answer(output, gsm8k=False), answer) == ok
+
+
+def test_last_boxed_nested():
+    """Braces are balanced: nested \\frac inside the box is kept whole."""
+    assert ev.last_boxed("x \\boxed{\\frac{\\sqrt{3}}{2}} y") == "\\frac{\\sqrt{3}}{2}"
+
+
+# -----------------------------------------------------------------------------
+# probes
+
+
+@pytest.mark.parametrize("kind, where", [("passcode", "prompt"), ("passcode", "trace"), ("fact", "trace")])
+def test_probes_are_deterministic(smollm, kind, where):
+    """A probe is a pure function of (data, index, seed): same seed, same tokens; the secret sits where asked."""
+    tok = smollm[1]
+    rows = ev.load_data(str(ev.DATA / "math500.jsonl"))[:5]
+    a = ev.build_probe(tok, rows, 1, 0, kind, where, 300)
+    assert a == ev.build_probe(tok, rows, 1, 0, kind, where, 300)
+    assert a["ids"] != ev.build_probe(tok, rows, 1, 1, kind, where, 300)["ids"]
+    s, e = a["answer"]
+    secret = tok.decode(a["ids"][s:e]).strip()
+    assert secret.isdigit() and e == len(a["ids"])
+    said = tok.decode(a["ids"][: a["prompt_len"]]).count(secret)
+    assert said == (kind == "passcode" and where == "prompt")
+    assert tok.decode(a["ids"][:s]).count(secret) == 1  # said exactly once before the question
+
+
+# -----------------------------------------------------------------------------
+# the driver: resume, atomic writes, one-line errors
+
+
+def test_rerun_skips_finished_rows(tmp_path):
+    """A rerun with an existing --out keeps the finished rows and measures only the missing ones."""
+    out = tmp_path / "rows.json"
+    args = args_for("fidelity", "--policies", "snapkv,random", "--budgets", "128,256", "--out", str(out))
+    jobs = ev.make_jobs(args)
+    calls = []
+    measure = lambda job: calls.append(job) or {"kl": 0.5}
+    ev.run_jobs(args, jobs[:3], measure)  # an "interrupted" sweep
+    assert len(calls) == 3
+    rows = ev.run_jobs(args, jobs, measure)
+    assert len(calls) == 5 and len(rows) == 5 and rows[:3] == json.loads(out.read_text())[:3]
+    ev.run_jobs(args, jobs, measure)
+    assert len(calls) == 5 and not list(tmp_path.glob("*.tmp"))
+    assert [r["policy"] for r in rows] == ["full", "snapkv", "snapkv", "random", "random"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["fidelity", "--data", "/nonexistent.jsonl"], "does not exist"),
+    (["fidelity", "--policies", ""], "--policies is empty"),
+    (["fidelity", "--policies", "snapkv,nope"], "unknown policy 'nope'"),
+    (["fidelity", "--budgets", "128,big"], "comma-separated integers"),
+])
+def test_bad_input_is_one_line(argv, msg):
+    """User mistakes end with one 'error: ...' line, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        ev.main(argv)
+    assert str(e.value.code).startswith("error:") and msg in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_bad_jsonl_row_names_line_and_field(tmp_path):
+    """A jsonl row without the expected field names its line and the field."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
+    with pytest.raises(SystemExit) as e:
+        ev.main(["accuracy", "--data", str(bad)])
+    assert e.value.code == f"error: {bad} line 2: missing field 'answer'"
+
+
+def test_unknown_subcommand_is_one_line(capsys):
+    """An unknown subcommand gets argparse's one-line error."""
+    with pytest.raises(SystemExit):
+        ev.main(["speed"])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "invalid choice: 'speed'" in err and "\n" not in err
+
+
+def test_markdown_hoists_constant_columns():
+    """Key columns equal in every row move to a caption line, results never do; None prints as a dash."""
+    md = ev.markdown([{"policy": "full", "budget": None, "n": 3, "kl": 0.0, "top1": 1.0},
+                      {"policy": "snapkv", "budget": 128, "n": 3, "kl": 0.25, "top1": 1.0}], keys={"policy", "n"})
+    assert md.splitlines()[0] == "n=3" and "| full | – | 0 | 1 |" in md and "| snapkv | 128 | 0.25 | 1 |" in md
