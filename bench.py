@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from generate import UsageError, autodetect_device, feed, load, make_cache, make_run, peak_memory_mb
+from generate import UsageError, autodetect_device, feed, load, make_cache, make_run, peak_memory_mb, policy_names
 from model import ModelConfig, Transformer
-from policies import POLICIES
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
 
@@ -44,16 +43,6 @@ def add_arguments(ap):
     if "--dtype" not in ap._option_string_actions:
         ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
-
-
-def policy_names(arg) -> list[str]:
-    """'all' or 'full,snapkv' (or an already split list) -> registry names, full first."""
-    names = arg if isinstance(arg, list) else arg.split(",")
-    names = list(POLICIES) if names in (["all"], "all") else names
-    for n in names:
-        if n not in POLICIES:
-            raise UsageError(f"unknown policy {n!r}: choose from {', '.join(sorted(POLICIES))} or all")
-    return names
 
 
 def jobs(args) -> list[dict]:

@@ -64,6 +64,11 @@ class KVCache:
         S = self.length[layer]
         return self.k[layer, :, :, :S], self.v[layer, :, :, :S]
 
+    def protected(self, layer: int, protect_below: int, n_recent: int) -> Tensor:
+        """Slots that always survive, [B, H_kv, S] bool: positions < protect_below, and the newest n_recent."""
+        S = self.length[layer]
+        return (self.pos[layer, :, :, :S] < protect_below) | (torch.arange(S, device=self.pos.device) >= S - n_recent)
+
     def evict(self, layer: int, scores: Tensor, keep: int, protect_below: int, n_recent: int):
         """Keep the `keep` best slots of each (batch, KV head): slots at positions < protect_below (the prompt
         or the sinks) and the newest n_recent slots always survive; the rest go by highest score.
@@ -72,8 +77,7 @@ class KVCache:
         k, v, pos = self.k[layer], self.v[layer], self.pos[layer, :, :, :S]  # pos [B, H_kv, S]
         B, H, _, D = k.shape
         scores = scores.float().nan_to_num(nan=-float("inf")).expand(B, H, S)  # a NaN must never outrank +inf
-        protected = (pos < protect_below) | (torch.arange(S, device=pos.device) >= S - n_recent)
-        scores = scores.masked_fill(protected, float("inf"))
+        scores = scores.masked_fill(self.protected(layer, protect_below, n_recent), float("inf"))
         # keep the top `keep`, then restore temporal order so slots stay sorted by position
         idx = scores.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, H_kv, keep]
         idx_d = idx[..., None].expand(B, H, keep, D)

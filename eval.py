@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from generate import Parser, UsageError, feed, generate, load, make_cache, make_run
+from generate import Parser, UsageError, feed, generate, load, make_cache, make_run, policy_names
 from model import ModelError
 from policies import POLICIES
 
@@ -339,25 +339,13 @@ def perturbation(args, job: dict, lab: dict) -> dict:
 # the driver: jobs -> rows, resumable, atomically written, printed as Markdown
 
 
-def policy_list(arg: str) -> list[str]:
-    names = [p for p in arg.split(",") if p]
-    if not names:
-        raise UsageError("--policies is empty: give a comma list of policies, or all")
-    if names == ["all"]:
-        return [p for p in POLICIES if p != "full"]
-    for p in names:
-        if p not in POLICIES:
-            raise UsageError(f"unknown policy {p!r} in --policies: choose from all, {', '.join(sorted(POLICIES))}")
-    return [p for p in names if p != "full"]
-
-
 def make_jobs(args) -> list[dict]:
     """Key fields of each row: the full cache first (the reference), then every policy x budget."""
     try:
         budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         raise UsageError(f"--budgets takes comma-separated integers (got {args.budgets!r})") from None
-    names = policy_list(args.policies)
+    names = policy_names(args.policies, full=False)
     protect = lambda p: POLICIES[p].protect_prompt if args.protect_prompt is None else args.protect_prompt
     jobs = [] if args.cmd == "perturbation" else [{"policy": "full", "budget": None, "protect": None}]
     jobs += [{"policy": p, "budget": b, "protect": protect(p)} for p in names for b in budgets]

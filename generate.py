@@ -67,6 +67,18 @@ class Run:
     watch: Callable | None = None  # watch(cache, "before" | "after") around each eviction, untimed (eval.py)
 
 
+def policy_names(arg: str, full: bool = True) -> list[str]:
+    """--policies for eval.py: 'all' (every registered policy) or a comma list -> names; full=False drops 'full'."""
+    names = [p for p in arg.split(",") if p]
+    if not names:
+        raise UsageError("--policies is empty: give a comma list of policies, or all")
+    names = list(POLICIES) if names == ["all"] else names
+    for p in names:
+        if p not in POLICIES:
+            raise UsageError(f"unknown policy {p!r} in --policies: choose from all, {', '.join(sorted(POLICIES))}")
+    return [p for p in names if full or p != "full"]
+
+
 def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int, seed: int = 0) -> Run:
     """Check the settings against each other and the prompt; protect=None takes the policy's paper default."""
     if policy not in POLICIES:
@@ -117,8 +129,7 @@ def evict_round(model, cache: KVCache, run: Run):
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
         keys, values = cache.get(layer)
-        pos = cache.pos[layer, :, :, :S]
-        protected = (pos < run.protect_below) | (torch.arange(S, device=pos.device) >= S - run.buffer)
+        pos, protected = cache.pos[layer, :, :, :S], cache.protected(layer, run.protect_below, run.buffer)
         g = torch.Generator(keys.device).manual_seed(run.seed * 1_000_003 + run.rounds * 1_009 + layer)
         ctx = ScoreCtx(layer, keys, values, pos, protected, cache.q_ring[layer], cache.q_pos,
                        blk.self_attn.o_proj.weight, {n: s[layer, :, :, :S] for n, s in cache.side.items()},

@@ -583,7 +583,7 @@ def test_bench_jobs_eager_and_errors(tmp_path):
     args = SimpleNamespace(policies="all", budget=512, buffer=64, contexts="1024,2048", steps=128, prompt_len=64,
                            eager=True)
     todo = bench.jobs(args)
-    assert len(todo) == 2 * len(bench.POLICIES) + 2 and todo[-1] == {"policy": "full", "context": 2048, "eager": True}
+    assert len(todo) == 2 * len(P.POLICIES) + 2 and todo[-1] == {"policy": "full", "context": 2048, "eager": True}
     args.contexts = "150"
     with pytest.raises(bench.UsageError, match="--steps 128"):
         bench.jobs(args)
