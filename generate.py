@@ -270,6 +270,10 @@ def load(model_dir, device, dtype):
     except SetupError as e:
         raise ModelError(str(e)) from None
     device = device or autodetect_device()
+    d = torch.device(device)
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
+                         "use --device cpu or an existing cuda:N")
     dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device == "cuda" else torch.float32
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)
 
@@ -286,6 +290,9 @@ def run_cli(args):
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {limit} positions: shorten the prompt or lower --max-new-tokens")
     run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed)
+    L = model.cfg.num_hidden_layers
+    if args.show_kept is not None and not -1 <= args.show_kept < L:
+        raise UsageError(f"--show-kept {args.show_kept}: the model has layers 0 to {L - 1}")
 
     printed = [0]
 
@@ -299,7 +306,7 @@ def run_cli(args):
                              tok.eos_ids, stream)
     print()
     if args.show_kept is not None:
-        layer = args.show_kept if args.show_kept >= 0 else model.cfg.num_hidden_layers // 2
+        layer = args.show_kept if args.show_kept >= 0 else L // 2
         print(show_kept(cache, layer, len(prompt), run.buffer))
     tps = (len(ids) - 1) / t["decode_s"] if len(ids) > 1 else float("nan")
     ev = f"{run.rounds} evictions, {run.evict_s * 1e3:.1f} ms ({run.evict_s * 1e3 / max(run.rounds, 1):.2f} ms each)"

@@ -1,6 +1,7 @@
 """
 A from-scratch Llama / Mistral / Qwen2 / Qwen3 forward pass, safetensors loading, and the tokenizer with
-its chat template. One decode step per call, reading and writing the flat KV cache of cache.py.
+its chat template. Each forward runs a chunk of tokens (a prompt, a replayed chunk, one decode step),
+reading and writing the flat KV cache of cache.py.
 
 Deliberately left out: training, dropout, sliding-window attention (we refuse sequences past the window),
 rope scaling other than Llama-3's, MoE. References: Llama (https://arxiv.org/abs/2302.13971), the HF

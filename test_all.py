@@ -467,6 +467,8 @@ def test_show_kept_map(tiny):
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--max-new-tokens", "9000"], "exceeds the model's 8192 positions"),
     (["--model", "/nonexistent"], "does not exist"),
+    (["--show-kept", "30"], "layers 0 to 29"),
+    (["--device", "cuda:99"], "CUDA device(s)"),
 ])
 def test_bad_cli_input_one_line(args, needle, capsys):
     """Each user mistake exits non-zero with one line naming the problem and the fix."""
