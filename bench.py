@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from generate import UsageError, autodetect_device, feed, load, make_cache, make_run, peak_memory_mb, policy_names
-from model import ModelConfig, Transformer
+from generate import (UsageError, feed, load, make_cache, make_run, peak_memory_mb, policy_names,
+                      resolve_device)
+from model import ModelConfig, ModelError, Transformer
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
 
@@ -47,7 +48,10 @@ def add_arguments(ap):
 
 def jobs(args) -> list[dict]:
     """One dict of key fields per row: every policy x context, then the eager rows."""
-    contexts = [int(c) for c in str(args.contexts).split(",")]
+    try:
+        contexts = [int(c) for c in str(args.contexts).split(",")]
+    except ValueError:
+        raise UsageError(f"--contexts takes comma-separated integers (got {args.contexts!r})") from None
     if min(contexts) <= args.steps + WARMUP + args.prompt_len:
         raise UsageError(f"every context must exceed --steps {args.steps} + {WARMUP} warm-up + --prompt-len "
                          f"{args.prompt_len}: raise --contexts or lower --steps")
@@ -67,6 +71,9 @@ def measure(args, job: dict) -> dict:
                        capture_output=True, text=True)
     if p.returncode < 0:  # killed by a signal: on Linux almost always the OOM killer (the eager memory wall)
         return {**job, "error": f"killed by signal {-p.returncode} (out of memory?)"}
+    last = (p.stderr.strip().splitlines() or [""])[-1]
+    if p.returncode != 0 and last.startswith("error: "):  # the row's own one-line message: pass it on
+        raise UsageError(last[len("error: ") :])
     if p.returncode != 0:
         raise RuntimeError(f"bench row {job} failed:\n{p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -79,7 +86,7 @@ def measure(args, job: dict) -> dict:
 def build_model(path, device, dtype):
     """The model of a directory (or the default), or random weights for a bare config.json."""
     if path and Path(path).is_file():
-        dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device == "cuda" else torch.float32
+        device, dtype = resolve_device(device, dtype)
         model = Transformer(ModelConfig.from_hf(path), device, dtype)
         g = torch.Generator().manual_seed(0)
         for name, p in model.named_parameters():  # small random weights; norms 1 and biases 0 keep it tame
@@ -120,7 +127,7 @@ def copy_bandwidth(device, mb: int = 256) -> float:
 
 @torch.inference_mode()
 def measure_here(o: dict) -> dict:
-    device = o["device"] or autodetect_device()
+    device = resolve_device(o["device"], o["dtype"])[0]
     if o.get("threads"):
         torch.set_num_threads(o["threads"])
     model = build_model(o["model"], device, o["dtype"])
@@ -165,41 +172,13 @@ def measure_here(o: dict) -> dict:
     }
 
 
-# -----------------------------------------------------------------------------
-# standalone use, until (and besides) `python eval.py bench`
-
-
-def main():
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Decode speed / eviction cost / peak memory per policy and context.")
-    ap.add_argument("--model", default=None, help="model directory, or a bare config.json for random weights "
-                    "(default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--policies", default="all", help="comma list of policies, or all (includes full)")
-    ap.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored")
-    ap.add_argument("--seed", type=int, default=0, help="seeds the random context and stochastic policies")
-    ap.add_argument("--out", default=None, help="append JSON rows to this file")
-    add_arguments(ap)
-    args = ap.parse_args()
-    try:
-        todo = jobs(args)
-    except UsageError as e:
-        sys.exit(f"error: {e}")
-    for job in todo:
-        row = measure(args, job)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--one":  # the per-row worker that measure() spawns
         try:
             print(json.dumps(measure_here(json.loads(sys.argv[2]))))
-        except UsageError as e:
+        except (UsageError, ModelError) as e:
             sys.exit(f"error: {e}")
         except (MemoryError, torch.OutOfMemoryError) as e:  # the eager memory wall: a row that says so
             print(json.dumps({**json.loads(sys.argv[2]), "error": f"out of memory: {str(e)[:200]}"}))
     else:
-        main()
+        sys.exit("error: run the benchmark as `python eval.py bench ...` (bench.py --one is its per-row worker)")

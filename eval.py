@@ -145,6 +145,8 @@ def pack_conversation(model, tok, problems: list[str], args, out: list) -> dict:
         messages.append({"role": "user", "content": p})
         new, text = turn_ids(tok, messages, text)
         if len(ids) + len(new) + args.max_new_tokens > cache.capacity:
+            if not spans:
+                raise UsageError(f"a problem of {len(new)} tokens does not fit the trace cache: raise --min-tokens")
             break
         ids += new
         if not spans:
@@ -182,9 +184,12 @@ def traces(args, lab: dict) -> list[dict]:
         while pool:
             # subtle: each conversation opens with the shortest spare problem, so that its protected first turn
             # fits K - r even at K = 128; the last one may borrow more spare problems to reach --min-tokens
-            k = len(pack_conversation(model, tok, spare[:1] + pool + spare[1:], args, out)["spans"]) - 1
-            spare, pool = spare[1 + max(0, k - len(pool)) :], pool[k:]
-            bar.update(min(k, bar.total - bar.n))
+            opener = spare[:1]  # empty once the spare problems run out: then a --n problem opens
+            used = len(pack_conversation(model, tok, opener + pool + spare[1:], args, out)["spans"])
+            from_pool = min(max(used - len(opener), 0), len(pool))
+            borrowed = max(used - len(opener) - len(pool), 0)  # spares answered after the pool ran dry
+            spare, pool = spare[len(opener) + borrowed :], pool[from_pool:]
+            bar.update(from_pool)
         saved = {"key": key, "traces": out}
         if path:
             write_json(path, saved)
@@ -250,7 +255,7 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
     rng = random.Random(f"{seed}:{i}:{kind}")
     secret = "".join(rng.choice("0123456789") for _ in range(5 if kind == "passcode" else 4))
     lead = 128 if kind == "fact" else 0  # the fact is planted after a first stretch of trace
-    filler = tok.encode("\n\n".join(r["solution"] for r in (rows * 2)[i : i + 40]))
+    filler = tok.encode("\n\n".join(rows[(i + j) % len(rows)]["solution"] for j in range(40)))
     filler = (filler * (1 + (lead + gap) // len(filler)))[: lead + gap]  # exactly `gap` tokens after the secret
     if kind == "passcode":
         said = f"The passcode is {secret}. Remember it."
@@ -352,7 +357,12 @@ def make_jobs(args) -> list[dict]:
     extra = {}
     if args.cmd == "probe":  # the planted fact always sits in the trace: --where is for the passcode
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None}
-    common = {"data": Path(args.data).name, "n": args.n, "buffer": args.buffer, "seed": args.seed}
+    common = {"data": Path(args.data).name, "n": args.n, "buffer": args.buffer, "seed": args.seed,
+              "model": args.model, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+    if args.cmd in ("fidelity", "perturbation"):
+        common["min_tokens"] = args.min_tokens
+    if args.cmd == "probe":
+        common["gap"] = args.gap
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
 
 
@@ -411,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     shared.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     shared.add_argument("--policies", default="all", help="comma list of policies, or all (every registered one; "
-                        "the full cache is always added as the reference)")
+                        "fidelity, accuracy and probe add the full cache as the reference row)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored; eviction every r steps")

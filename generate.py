@@ -152,6 +152,8 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, all_logits: bool = Fal
     i, T = 0, tokens.shape[1]
     while i < T:
         n = min(T - i, cache.capacity - cache.length[0])
+        if n == 0:
+            raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
         out = model(tokens[:, i : i + n], cache, all_logits=all_logits, collect=run.policy.observe is not None)
         if run.policy.observe:
             run.policy.observe(cache, out, run.state)
@@ -261,6 +263,21 @@ def main(argv=None):
         sys.exit("\ninterrupted")
 
 
+def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
+    """--device / --dtype -> a usable device and dtype: bf16 on CUDA, fp32 elsewhere unless asked."""
+    device = device or autodetect_device()
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
+                         "use --device cpu or an existing cuda:N")
+    if d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError("--device mps: MPS is not available here; use --device cpu")
+    return device, getattr(torch, dtype) if dtype else torch.bfloat16 if d.type == "cuda" else torch.float32
+
+
 def load(model_dir, device, dtype):
     """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
     from weights import SetupError, default_model_dir
@@ -269,12 +286,7 @@ def load(model_dir, device, dtype):
         model_dir = model_dir or default_model_dir(fetch=True)
     except SetupError as e:
         raise ModelError(str(e)) from None
-    device = device or autodetect_device()
-    d = torch.device(device)
-    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
-                         "use --device cpu or an existing cuda:N")
-    dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = resolve_device(device, dtype)
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)
 
 

@@ -296,7 +296,10 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transform
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name not in want:
-                        continue  # e.g. rotary inv_freq buffers some checkpoints carry
+                        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                            continue  # derived or tied: nothing to load
+                        raise ModelError(f"tensor {name} in {file.name} has no place in nanokv's {cfg.model_type} "
+                                         "model (e.g. an o_proj or MLP bias): this checkpoint variant is unsupported")
                     t, p = f.get_tensor(name), want.pop(name)
                     if t.shape != p.shape:
                         raise ModelError(f"tensor {name} in {file.name} has shape {list(t.shape)}, expected "

@@ -469,6 +469,7 @@ def test_show_kept_map(tiny):
     (["--model", "/nonexistent"], "does not exist"),
     (["--show-kept", "30"], "layers 0 to 29"),
     (["--device", "cuda:99"], "CUDA device(s)"),
+    (["--device", "gpu"], "is not a device"),
 ])
 def test_bad_cli_input_one_line(args, needle, capsys):
     """Each user mistake exits non-zero with one line naming the problem and the fix."""
@@ -487,6 +488,9 @@ def bad_dir(tmp_path, kind):
         os.remove(f)
     elif kind == "arch":
         json.dump(dict(json.load(open(os.path.join(path, "config.json"))), model_type="gpt2"), open(os.path.join(path, "config.json"), "w"))
+    elif kind == "extra":  # e.g. Llama with attention_bias: an o_proj bias the model has no slot for
+        from safetensors.torch import load_file
+        save_file({**load_file(f), "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, f)
     elif kind == "corrupt":
         open(f, "r+b").write(b"\xff" * 16)
     else:
@@ -500,7 +504,8 @@ def bad_dir(tmp_path, kind):
     return path
 
 
-@pytest.mark.parametrize("kind,needle", [("no-config", "no config.json"), ("no-weights", "no *.safetensors"),
+@pytest.mark.parametrize("kind,needle", [("extra", "has no place in nanokv's llama model"),
+                                         ("no-config", "no config.json"), ("no-weights", "no *.safetensors"),
                                          ("arch", "unsupported model_type 'gpt2'"), ("corrupt", "corrupt safetensors"),
                                          ("missing", "model.layers.1.mlp.up_proj.weight missing"),
                                          ("shape", "model.norm.weight in model.safetensors has shape [7]")])
@@ -762,3 +767,13 @@ def test_markdown_hoists_constant_columns():
     md = ev.markdown([{"policy": "full", "budget": None, "n": 3, "kl": 0.0, "top1": 1.0},
                       {"policy": "snapkv", "budget": 128, "n": 3, "kl": 0.25, "top1": 1.0}], keys={"policy", "n"})
     assert md.splitlines()[0] == "n=3" and "| full | – | 0 | 1 |" in md and "| snapkv | 128 | 0.25 | 1 |" in md
+
+
+def test_traces_use_each_problem_once(smollm, tmp_path):
+    """Packing conversations terminates and answers every --n problem exactly once, even with no spare problems."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(3)))
+    args = args_for("fidelity", "--data", str(data), "--n", "3", "--max-new-tokens", "4", "--min-tokens", "40")
+    trs = ev.traces(args, {"model": smollm[0], "tok": smollm[1]})
+    text = "".join(smollm[1].decode(t["ids"]) for t in trs)
+    assert [text.count(f"What is {i} + {i}?") for i in range(3)] == [1, 1, 1]
