@@ -368,6 +368,7 @@ def make_jobs(args) -> list[dict]:
 
 def write_json(path: Path, obj):
     """Write to a temporary file, then rename over path: an interrupted write never leaves a broken file."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
