@@ -27,7 +27,7 @@ WARMUP = 4  # untimed decode steps before the window: first calls pay for alloca
 
 
 def add_arguments(ap):
-    """Bench-only flags; eval.py already defines --model, --policies, --buffer, --seed and --out."""
+    """Bench-only flags; eval.py defines the shared ones (--model, --device, --dtype, --policies, --buffer, --out)."""
     ap.add_argument("--budget", type=int, default=512, help="K: cache slots right after an eviction (buffer included)")
     ap.add_argument("--contexts", default="1024,4096,8192",
                     help="comma list of positions (tokens) each timed decode window ends at")
@@ -39,11 +39,6 @@ def add_arguments(ap):
                     "core); 1 is steadier when other jobs share the machine")
     ap.add_argument("--eager", action="store_true", help="add full-cache rows with the materialised n x n "
                     "fp32 attention (the eager reference) for each context")
-    if "--device" not in ap._option_string_actions:  # eval.py may already define the shared ones
-        ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    if "--dtype" not in ap._option_string_actions:
-        ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
 
 
 def jobs(args) -> list[dict]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from generate import Parser, UsageError, feed, generate, load, make_cache, make_run, policy_names
+from generate import Parser, UsageError, add_device_args, feed, generate, load, make_cache, make_run, policy_names
 from model import ModelError
 from policies import POLICIES
 
@@ -418,9 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    shared.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    shared.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    add_device_args(shared)
     shared.add_argument("--policies", default="all", help="comma list of policies, or all (every registered one; "
                         "fidelity, accuracy and probe add the full cache as the reference row)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "

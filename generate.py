@@ -229,6 +229,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+def add_device_args(ap: argparse.ArgumentParser):
+    """--device and --dtype, shared with eval.py."""
+    ap.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the first available)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(description="Generate with a KV-cache eviction policy and report what it cost.")
     ap.add_argument("--model", default=None, help="Hugging Face model directory (Llama/Mistral/Qwen2/Qwen3); "
@@ -238,9 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic); e.g. 0.6")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
     ap.add_argument("--seed", type=int, default=0, help="seeds sampling and the stochastic policies")
-    ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    add_device_args(ap)
     ap.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy (full = none)")
     ap.add_argument("--budget", type=int, default=None, help=f"K: cache slots right after an eviction, buffer "
                     f"included (default {DEFAULT_BUDGET}; not with --policy full)")
