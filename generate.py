@@ -86,7 +86,8 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     p = POLICIES[policy]
     if p.score is None:
         if budget is not None:
-            raise UsageError("--budget has no effect with --policy full (it keeps every token): drop it or pick an evicting policy")
+            raise UsageError("--budget has no effect with --policy full (it keeps every token): "
+                             "drop it or pick an evicting policy")
         return Run(p, None, buffer, 0, seed)
     budget = DEFAULT_BUDGET if budget is None else budget
     if buffer < 1:

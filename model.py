@@ -296,7 +296,8 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transform
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name not in want:
-                        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        tied = name == "lm_head.weight" and cfg.tie_word_embeddings
+                        if tied or name.endswith("rotary_emb.inv_freq"):
                             continue  # derived or tied: nothing to load
                         raise ModelError(f"tensor {name} in {file.name} has no place in nanokv's {cfg.model_type} "
                                          "model (e.g. an o_proj or MLP bias): this checkpoint variant is unsupported")

@@ -141,8 +141,9 @@ def random_(ctx: ScoreCtx) -> Tensor:
 
 
 def vase(ctx: ScoreCtx) -> Tensor:
-    """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 tokens whose values have the largest range max(v) - min(v); draw
-    the rest without replacement with probability proportional to SnapKV attention (temperature 1)."""
+    """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 tokens whose values have the largest
+    range max(v) - min(v); draw the rest without replacement with probability proportional to SnapKV attention
+    (temperature 1)."""
     v = ctx.values.float()
     reserved = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, ctx.budget // 4)
     sampled = gumbel_log_weights(snapkv_attention(ctx), ctx.generator)
@@ -150,8 +151,8 @@ def vase(ctx: ScoreCtx) -> Tensor:
 
 
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
-    """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian sketch G ~ N(0, 1/rank)
-    [D, rank] drawn afresh at every eviction (the generator is seeded per layer and round)."""
+    """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian
+    sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (the generator is seeded per layer and round)."""
     D = ctx.keys.shape[-1]
     G = torch.randn(D, rank, generator=ctx.generator, device=ctx.keys.device) / math.sqrt(rank)
     return (ctx.keys.float() @ G).square().sum(-1) * (ctx.values.float() @ G).square().sum(-1)
@@ -209,8 +210,9 @@ def epikv_bands(L: int, bands: bool) -> tuple[list[int], list[int]]:
 
 
 def epikv_observe(cache, out, state, bands: bool = False, window: int = 64):
-    """EPIKV (https://arxiv.org/abs/2606.26472): g_l(t) = ||h_l(t) - h_l(t-1)||_2 on the residual stream when token t is produced; score
-    z_A(t) - z_B(t) with a causal rolling z-score, frozen into the token's slot (same for every layer and head)."""
+    """EPIKV (https://arxiv.org/abs/2606.26472): g_l(t) = ||h_l(t) - h_l(t-1)||_2 on the residual stream when token
+    t is produced; score z_A(t) - z_B(t) with a causal rolling z-score, frozen into the token's slot (same for every
+    layer and head)."""
     A, Bd = epikv_bands(len(out.hidden), bands)
     layers = A + Bd
     h = torch.stack([out.hidden[l].float() for l in layers], 1)  # [B, nl, T, hidden]
