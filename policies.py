@@ -162,13 +162,11 @@ def value_norms(values: Tensor, wo: Tensor) -> Tensor:
     """||V_h W_O,h||_1: how far each value moves the layer output, through each query head's slice of
     o_proj, L1 over the hidden size, mean over the query heads of its group. values [B, H_kv, S, D] -> [B, H_kv, S]."""
     B, H_kv, S, D = values.shape
-    hidden = wo.shape[0]
     n_rep = wo.shape[1] // (H_kv * D)
-    w = wo.view(hidden, H_kv, n_rep, D).permute(1, 3, 2, 0)  # [H_kv, D, n_rep, hidden]
-    # in chunks of slots: the projected values are [B, H_kv, S, n_rep, hidden], GBs at 8B-model scale
-    return torch.cat([
-        torch.einsum("bksd,kdrh->bksrh", v, w).float().abs().sum(-1).mean(-1) for v in values.split(256, dim=2)
-    ], dim=2)
+    # query head h reads KV head h // n_rep through its own column block of o_proj (a strided view, no copy)
+    norms = [F.linear(values[:, h // n_rep], wo[:, h * D : (h + 1) * D]).float().abs().sum(-1)  # [B, S]
+             for h in range(H_kv * n_rep)]
+    return torch.stack(norms, 1).view(B, H_kv, n_rep, S).mean(2)
 
 
 def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: float = 1e-4) -> Tensor:
