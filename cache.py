@@ -69,15 +69,15 @@ class KVCache:
         S = self.length[layer]
         return (self.pos[layer, :, :, :S] < protect_below) | (torch.arange(S, device=self.pos.device) >= S - n_recent)
 
-    def evict(self, layer: int, scores: Tensor, keep: int, protect_below: int, n_recent: int):
-        """Keep the `keep` best slots of each (batch, KV head): slots at positions < protect_below (the prompt
-        or the sinks) and the newest n_recent slots always survive; the rest go by highest score.
+    def evict(self, layer: int, scores: Tensor, keep: int, protected: Tensor):
+        """Keep the `keep` best slots of each (batch, KV head): the `protected` ones ([B, H_kv, S] bool, see
+        protected()) always survive; the rest go by highest score.
         scores [B, H_kv or 1, S]; a single row means one token set for all heads of this layer."""
         S = self.length[layer]
         k, v, pos = self.k[layer], self.v[layer], self.pos[layer, :, :, :S]  # pos [B, H_kv, S]
         B, H, _, D = k.shape
         scores = scores.float().nan_to_num(nan=-float("inf")).expand(B, H, S)  # a NaN must never outrank +inf
-        scores = scores.masked_fill(self.protected(layer, protect_below, n_recent), float("inf"))
+        scores = scores.masked_fill(protected, float("inf"))
         # keep the top `keep`, then restore temporal order so slots stay sorted by position
         idx = scores.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, H_kv, keep]
         idx_d = idx[..., None].expand(B, H, keep, D)

@@ -122,8 +122,7 @@ def model_of(args, lab: dict):
 
 
 def run_for(job: dict, args, prompt_len: int):
-    budget = None if job["policy"] == "full" else job["budget"]
-    return make_run(job["policy"], budget, args.buffer, job["protect"], prompt_len, args.seed)
+    return make_run(job["policy"], job["budget"], args.buffer, job["protect"], prompt_len, args.seed)
 
 
 def turn_ids(tok, messages: list[dict], text: str) -> tuple[list[int], str]:

@@ -68,7 +68,8 @@ class Run:
 
 
 def policy_names(arg: str, full: bool = True) -> list[str]:
-    """--policies for eval.py: 'all' (every registered policy) or a comma list -> names; full=False drops 'full'."""
+    """--policies of eval.py and bench.py: 'all' (every registered policy) or a comma list -> names;
+    full=False drops 'full'."""
     names = [p for p in arg.split(",") if p]
     if not names:
         raise UsageError("--policies is empty: give a comma list of policies, or all")
@@ -126,18 +127,19 @@ def evict_round(model, cache: KVCache, run: Run):
     S = cache.length[0]
     all_kv = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
     memo = {}  # shared by this round's layers (e.g. epikv-lag scores all layers at once)
-    scores = []
+    scores, masks = [], []
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
         keys, values = cache.get(layer)
         pos, protected = cache.pos[layer, :, :, :S], cache.protected(layer, run.protect_below, run.buffer)
+        masks.append(protected)
         g = torch.Generator(keys.device).manual_seed(run.seed * 1_000_003 + run.rounds * 1_009 + layer)
         ctx = ScoreCtx(layer, keys, values, pos, protected, cache.q_ring[layer], cache.q_pos,
                        blk.self_attn.o_proj.weight, {n: s[layer, :, :, :S] for n, s in cache.side.items()},
                        all_kv, model.cfg, run.budget, run.buffer, g, run.budget if run.rounds else 0, memo)
         scores.append(run.policy.score(ctx))
-    for layer, s in enumerate(scores):
-        cache.evict(layer, s, run.budget, run.protect_below, run.buffer)
+    for layer, (s, protected) in enumerate(zip(scores, masks)):
+        cache.evict(layer, s, run.budget, protected)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
     run.rounds += 1

@@ -432,11 +432,9 @@ def test_epikv_scores_are_causal_and_shared(tiny):
         cache = G.make_cache(tiny, run, 40)
         with torch.inference_mode():
             G.feed(tiny, cache, torch.tensor([list(range(1, 7)) + list(range(20, 30)) + tail]), run)
-            return cache.side["epikv"][:, :, :, :16].clone(), cache.pos[:, :, :, : cache.length[0]], run
+            return cache.side["epikv"][:, :, :, :16].clone()
 
-    a, _, _ = scores([40, 41, 42])
-    b, pos, run = scores([90, 91, 92])
-    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(scores([40, 41, 42]), scores([90, 91, 92]))
     run = G.make_run("epikv", 12, 4, True, 6)
     cache = G.make_cache(tiny, run, 60)
     with torch.inference_mode():
@@ -511,7 +509,7 @@ def bad_dir(tmp_path, kind):
                                          ("shape", "model.norm.weight in model.safetensors has shape [7]")])
 def test_bad_model_dir_messages(tmp_path, kind, needle):
     """A broken model directory raises ModelError naming the file or tensor and the fix."""
-    with pytest.raises(ModelError, match=".*") as e:
+    with pytest.raises(ModelError) as e:
         load_model(bad_dir(tmp_path, kind))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
