@@ -4,11 +4,32 @@ The flat, preallocated KV cache and the one place where eviction happens.
 Keys are stored after RoPE together with each slot's original token position, so a head may keep any
 subset of positions without re-rotating anything (StreamingLLM-style re-rotation is deliberately left out).
 Everything that rides with a slot (position, H2O's accumulated attention, EPIKV's frozen score) is
-gathered with it. References: kvpress `ScorerPress.compress`, gpt-fast / nanochat KV caches.
+gathered with it. The rows of a batch are independent: each holds its own number of slots, counts its own
+positions and is evicted on its own cadence. A slot past a row's length is free: its position reads FREE, later
+than any query, so every causal-by-position test hides it. References: kvpress `ScorerPress.compress`,
+gpt-fast / nanochat KV caches.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+FREE = torch.iinfo(torch.long).max  # the position of a free slot: after every query, so never attended to
+
+
+@dataclass
+class Chunk:
+    """Where the tokens of one forward pass go; built once by KVCache.chunk, read by every layer.
+    Row b appends its first n[b] tokens; the rest of its T columns is right padding: computed, never stored."""
+
+    n: list[int]  # real tokens per row
+    pos: Tensor  # [B, T] token positions; a padding column repeats its row's last position
+    last: Tensor  # [B] each row's last real column
+    end: int  # 1 + the latest position any query has
+    start: int | None  # the slot every row appends at, when all rows are alike (else None: see `real`)
+    S: int  # slots the longest row holds after this chunk
+    real: tuple[Tensor, Tensor, Tensor]  # (row, column, slot) of each real token, [N] each
 
 
 class KVCache:
@@ -20,71 +41,117 @@ class KVCache:
         self.pos = torch.zeros(L, B, H, capacity, device=device, dtype=torch.long)  # original token position
         # per-slot side state for the scorers, e.g. "h2o" accumulated attention; [L, B, H_kv, cap] fp32
         self.side = {name: torch.zeros(L, B, H, capacity, device=device) for name in side}
-        # a ring of the last `window` post-RoPE queries per layer, for attention-based scorers
+        # a ring of each row's last `window` post-RoPE queries per layer, for attention-based scorers
         self.q_ring = torch.zeros(L, B, n_q_heads, window, D, device=device, dtype=dtype)  # [L, B, H_q, w, D]
-        self.q_pos = torch.full((window,), -1, device=device, dtype=torch.long)  # -1 = empty ring slot
+        self.q_pos = torch.zeros(B, window, device=device, dtype=torch.long)  # their positions, -1 = empty
         self.capacity = capacity
+        self.views()
         self.reset()
+
+    def views(self):
+        # note: per-layer views, made once: indexing the [L, ...] tensors in every layer of every step costs time
+        self.k_l, self.v_l, self.q_ring_l = list(self.k), list(self.v), list(self.q_ring)
 
     def reset(self):
         """Forget every token (the tensors stay allocated)."""
-        self.length = [0] * self.k.shape[0]  # slots held, per layer (equal between forwards)
-        self.next_pos = 0  # position of the next token to be appended
+        B = self.k.shape[1]
+        self.length = [0] * B  # slots each row holds (the same in every layer between forward passes)
+        self.next_pos = [0] * B  # position of each row's next token
+        self.rows = list(range(B))  # each row's index in the request: stays put when finished rows leave
+        self.pos.fill_(FREE)
         self.q_pos.fill_(-1)
 
-    def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, H_kv, T, D] (and queries q [B, H_q, T, D] into the ring); return views of all slots."""
-        T, S0 = k.shape[2], self.length[layer]
-        if S0 + T > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {S0} + {T} slots > capacity {self.capacity}")
-        self.k[layer, :, :, S0 : S0 + T] = k
-        self.v[layer, :, :, S0 : S0 + T] = v
-        self.pos[layer, :, :, S0 : S0 + T] = torch.arange(self.next_pos, self.next_pos + T, device=k.device)
-        for s in self.side.values():
-            s[layer, :, :, S0 : S0 + T] = 0  # a reused slot must not inherit its previous owner's state
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    def chunk(self, T: int, n: list[int] | None = None) -> Chunk:
+        """Plan a forward of T columns per row in which row b appends its first n[b] tokens (default all T)."""
+        n = [T] * self.batch if n is None else n
+        dev = self.pos.device
+        last = (torch.tensor(n, device=dev) - 1).clamp(min=0)  # [B]
+        # padding columns repeat the last real position, so they see what the row's last token sees
+        pos = torch.tensor(self.next_pos, device=dev)[:, None] + torch.minimum(torch.arange(T, device=dev), last[:, None])
+        end = max(p + max(c, 1) for p, c in zip(self.next_pos, n))
+        alike = len(set(self.length)) == 1 and set(n) == {T}  # the common case: one slice write serves all rows
+        row = torch.arange(self.batch, device=dev).repeat_interleave(torch.tensor(n, device=dev))
+        col = torch.cat([torch.arange(c, device=dev) for c in n])
+        slot = torch.tensor(self.length, device=dev)[row] + col
+        S = max(l + c for l, c in zip(self.length, n))
+        if S > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {S} slots > capacity {self.capacity}")
+        # positions and side state of the new slots are the same in every layer: written here, once, for all
+        if alike:
+            s = slice(self.length[0], self.length[0] + T)
+            self.pos[:, :, :, s] = pos[:, None]
+            for side in self.side.values():
+                side[:, :, :, s] = 0  # a reused slot must not inherit its previous owner's state
+        else:
+            self.pos[:, row, :, slot] = pos[row, col][:, None, None]  # indexed: [N, L, H_kv]
+            for side in self.side.values():
+                side[:, row, :, slot] = 0
+        return Chunk(n, pos, last, end, self.length[0] if alike else None, S, (row, col, slot))
+
+    def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None, chunk: Chunk) -> tuple[Tensor, Tensor]:
+        """Write the chunk's real k, v [B, H_kv, T, D] (and queries q [B, H_q, T, D] into the ring); return
+        views of the slots the longest row holds, [B, H_kv, S, D]."""
+        K, V = self.k_l[layer], self.v_l[layer]  # [B, H_kv, cap, D]
+        if chunk.start is not None:  # every row appends T tokens at the same slot: plain slices
+            K[:, :, chunk.start : chunk.S], V[:, :, chunk.start : chunk.S] = k, v
+        else:  # ragged rows: scatter each real token to its row's next slot
+            row, col, slot = chunk.real
+            K[row, :, slot], V[row, :, slot] = k[row, :, col], v[row, :, col]
         w = self.q_ring.shape[3]
-        if w and q is not None:  # only the newest w of this chunk fit; ring index = position % w
-            n = min(T, w)
-            idx = torch.arange(self.next_pos + T - n, self.next_pos + T, device=q.device) % w
-            self.q_ring[layer, :, :, idx] = q[:, :, T - n :]
-        self.length[layer] = S0 + T
-        return self.get(layer)
+        if w and q is not None:  # ring index = position % w; a row's older real tokens are overwritten in order
+            row, col, _ = chunk.real
+            self.q_ring_l[layer][row, :, chunk.pos[row, col] % w] = q[row, :, col]
+        return K[:, :, : chunk.S], V[:, :, : chunk.S]
 
-    def advance(self, T: int):
-        """Close a forward pass of T tokens: every layer has appended them."""
-        w = self.q_pos.shape[0]
+    def advance(self, chunk: Chunk):
+        """Close a forward pass: every layer has appended the chunk."""
+        w = self.q_pos.shape[1]
         if w:
-            n = min(T, w)
-            p = torch.arange(self.next_pos + T - n, self.next_pos + T, device=self.q_pos.device)
-            self.q_pos[p % w] = p
-        self.next_pos += T
+            row, col, _ = chunk.real
+            p = chunk.pos[row, col]
+            self.q_pos[row, p % w] = p
+        for b, c in enumerate(chunk.n):
+            self.length[b] += c
+            self.next_pos[b] += c
 
-    def get(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Views of the held keys and values, [B, H_kv, S, D]."""
-        S = self.length[layer]
-        return self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+    def keep_rows(self, keep: list[int]):
+        """Drop every row not in `keep` (e.g. rows that finished generating): the batch shrinks, memory stays."""
+        idx = torch.tensor(keep, device=self.k.device, dtype=torch.long)
+        self.k, self.v, self.pos = self.k[:, idx], self.v[:, idx], self.pos[:, idx]
+        self.side = {name: s[:, idx] for name, s in self.side.items()}
+        self.q_ring, self.q_pos = self.q_ring[:, idx], self.q_pos[idx]
+        self.length, self.next_pos, self.rows = ([x[b] for b in keep] for x in (self.length, self.next_pos, self.rows))
+        self.views()
 
-    def protected(self, layer: int, protect_below: int, n_recent: int) -> Tensor:
-        """Slots that always survive, [B, H_kv, S] bool: positions < protect_below, and the newest n_recent."""
-        S = self.length[layer]
-        return (self.pos[layer, :, :, :S] < protect_below) | (torch.arange(S, device=self.pos.device) >= S - n_recent)
+    def protected(self, layer: int, row: int, protect_below: int, n_recent: int) -> Tensor:
+        """Slots of one row that always survive, [1, H_kv, S] bool: positions < protect_below, and the newest n_recent."""
+        S = self.length[row]
+        recent = torch.arange(S, device=self.pos.device) >= S - n_recent
+        return (self.pos[layer, row : row + 1, :, :S] < protect_below) | recent
 
-    def evict(self, layer: int, scores: Tensor, keep: int, protected: Tensor):
-        """Keep the `keep` best slots of each (batch, KV head): the `protected` ones ([B, H_kv, S] bool, see
-        protected()) always survive; the rest go by highest score.
-        scores [B, H_kv or 1, S]; a single row means one token set for all heads of this layer."""
-        S = self.length[layer]
-        k, v, pos = self.k[layer], self.v[layer], self.pos[layer, :, :, :S]  # pos [B, H_kv, S]
-        B, H, _, D = k.shape
-        scores = scores.float().nan_to_num(nan=-float("inf")).expand(B, H, S)  # a NaN must never outrank +inf
-        scores = scores.masked_fill(protected, float("inf"))
-        # keep the top `keep`, then restore temporal order so slots stay sorted by position
-        idx = scores.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, H_kv, keep]
-        idx_d = idx[..., None].expand(B, H, keep, D)
-        # note: gather reads everything before the write-back, so overlapping ranges are safe
-        k[:, :, :keep] = k[:, :, :S].gather(2, idx_d)
-        v[:, :, :keep] = v[:, :, :S].gather(2, idx_d)
-        self.pos[layer, :, :, :keep] = pos.gather(2, idx)
-        for s in self.side.values():
-            s[layer, :, :, :keep] = s[layer, :, :, :S].gather(2, idx)
-        self.length[layer] = keep
+    def evict(self, row: int, scores: list[Tensor], protected: list[Tensor], keep: int):
+        """Keep the `keep` best slots of each KV head of one row, in every layer: the `protected` ones ([1, H_kv, S]
+        bool, see protected()) always survive, the rest go by highest score. scores[layer] is [1, H_kv or 1, S];
+        a single row of scores means one token set for all heads of that layer."""
+        S = self.length[row]
+        r = slice(row, row + 1)
+        for layer, (s, p) in enumerate(zip(scores, protected)):
+            k, v, pos = self.k[layer, r], self.v[layer, r], self.pos[layer, r]  # [1, H_kv, cap(, D)] views
+            _, H, _, D = k.shape
+            s = s.float().nan_to_num(nan=-float("inf")).expand(1, H, S)  # a NaN must never outrank +inf
+            s = s.masked_fill(p, float("inf"))
+            # keep the top `keep`, then restore temporal order so slots stay sorted by position
+            idx = s.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [1, H_kv, keep]
+            idx_d = idx[..., None].expand(1, H, keep, D)
+            # note: gather reads everything before the write-back, so overlapping ranges are safe
+            k[:, :, :keep] = k[:, :, :S].gather(2, idx_d)
+            v[:, :, :keep] = v[:, :, :S].gather(2, idx_d)
+            pos[:, :, :keep] = pos[:, :, :S].gather(2, idx)
+            pos[:, :, keep:S] = FREE
+            for side in self.side.values():
+                side[layer, r, :, :keep] = side[layer, r, :, :S].gather(2, idx)
+        self.length[row] = keep

@@ -1,114 +1,39 @@
 """
 Measure eviction policies against the full cache: fidelity, accuracy, recall probes, output perturbation, speed.
 
-    python eval.py fidelity --policies all --budgets 128,256,512 --n 20 --out fidelity.json
+    python eval.py fidelity --policies all --budgets 128,256 --n 12 --out results/fidelity.json
 
 Each subcommand is a list of jobs, one per (policy, budget, ...), run by one driver that prints a Markdown table
-and keeps the rows in --out, rewritten atomically after every job, so an interrupted sweep resumes where it
-stopped. Fidelity (teacher-forced KL against the full cache) works even for a model too small to solve problems.
-Left out: sampling / pass@k, batching problems together, model-judged answer equivalence.
+and merges each finished row into --out under a file lock, so an interrupted sweep resumes where it stopped and
+two sweeps may share one file. A row's key holds every setting that changes its result (the data by content
+hash). Fidelity (teacher-forced KL against the full cache) works even for a model too small to solve problems.
+Free generation decodes --batch-size problems together. Left out: sampling / pass@k, model-judged answers.
 """
 
 import argparse
+import fcntl
 import json
 import math
 import os
 import random
-import re
 import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
-from generate import Parser, UsageError, add_device_args, feed, generate, load, make_cache, make_run, policy_names
+from generate import (Parser, UsageError, add_device_args, feed, generate, load, make_cache, make_run, policy_names,
+                      resolve_device)
 from model import ModelError
 from policies import POLICIES
+from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
 
-DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-PERTURB_WINDOW = 64  # queries whose attention output CriticalKV's perturbation compares
-
-
-# -----------------------------------------------------------------------------
-# data and answer checking (conventions in ../shared/data/README.md)
-
-
-def load_data(path: str) -> list[dict]:
-    """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
-    if not Path(path).is_file():
-        raise UsageError(f"data file {path} does not exist (see ../shared/data/README.md)")
-    rows = []
-    for i, line in enumerate(open(path, encoding="utf-8"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path} line {i}: not valid JSON ({e.msg})") from None
-        q = row.get("problem", row.get("question")) if isinstance(row, dict) else None
-        if not isinstance(q, str) or "answer" not in row:
-            missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"
-            raise UsageError(f"{path} line {i}: missing field {missing}")
-        rows.append({"question": q, "answer": str(row["answer"]), "solution": row.get("solution", str(row["answer"]))})
-    if not rows:
-        raise UsageError(f"data file {path} has no rows")
-    return rows
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
-    i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    depth, start = 0, i + len("\\boxed")
-    for j in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[start + 1 : j]
-    return None  # unclosed: the generation was cut off
-
-
-def normalise(s: str) -> str:
-    """Light MATH normalisation: '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90'."""
-    s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"\\(?:left|right)\b", "", s)
-    s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("$", "")
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", s)
-    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
-    s = re.sub(r"\\[,;:! ]", "", s)  # LaTeX spacing
-    return s.replace(" ", "").rstrip(".")
-
-
-def as_number(s: str | None) -> float | None:
-    try:
-        return float(s.replace(",", ""))
-    except (AttributeError, ValueError):
-        return None
-
-
-def extract_answer(text: str, gsm8k: bool) -> str | None:
-    """GSM8K: last \\boxed{} or else the last number; MATH/AIME: the last \\boxed{}."""
-    boxed = last_boxed(text)
-    if boxed is not None or not gsm8k:
-        return boxed
-    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return nums[-1].rstrip(",") if nums else None
-
-
-def is_correct(pred: str | None, answer: str) -> bool:
-    """answer is the dataset's field: GSM8K's full solution ending in '#### 18', or MATH's LaTeX."""
-    if pred is None:
-        return False
-    if "####" in answer:
-        gold, got = as_number(answer.split("####")[-1]), as_number(normalise(pred))
-        return gold is not None and got is not None and abs(gold - got) < 1e-6
-    a, b = normalise(pred), normalise(answer)
-    x, y = as_number(a), as_number(b)
-    return a == b or (x is not None and y is not None and abs(x - y) < 1e-6)
 
 
 # -----------------------------------------------------------------------------
@@ -121,7 +46,7 @@ def model_of(args, lab: dict):
     return lab["model"], lab["tok"]
 
 
-def run_for(job: dict, args, prompt_len: int):
+def run_for(job: dict, args, prompt_len):
     return make_run(job["policy"], job["budget"], args.buffer, job["protect"], prompt_len, args.seed)
 
 
@@ -133,62 +58,87 @@ def turn_ids(tok, messages: list[dict], text: str) -> tuple[list[int], str]:
     return tok.encode(full[len(text) :]), full
 
 
+def conversation_plans(tok, questions: list[str], n: int) -> list[list[str]]:
+    """n conversations: each opens with one of the n shortest problems, so that its first turn (what
+    --protect-prompt keeps) fits a small K - r; then the other problems follow, dealt round-robin in file order,
+    as many as each conversation needs. Each conversation is independent of the others and of the batch size."""
+    order = sorted(range(len(questions)), key=lambda i: (len(tok.encode(questions[i])), i))
+    openers, rest = order[:n], sorted(order[n:])
+    return [[questions[openers[c]]] + [questions[i] for i in rest[c::n]] for c in range(n)]
+
+
 @torch.inference_mode()
-def pack_conversation(model, tok, problems: list[str], args, out: list) -> dict:
-    """Greedy full-cache answers to problems, one user turn each, until the conversation holds --min-tokens.
-    Appends to out and returns ids, the prompt length (first turn) and the [start, end) spans of the answers."""
-    full = make_run("full", None, args.buffer, None, 0)
-    cache = make_cache(model, full, args.min_tokens + 2 * args.max_new_tokens + 1024)
-    messages, text, ids, spans = [{"role": "system", "content": SYSTEM}], "", [], []
-    for p in problems:
-        messages.append({"role": "user", "content": p})
-        new, text = turn_ids(tok, messages, text)
-        if len(ids) + len(new) + args.max_new_tokens > cache.capacity:
-            if not spans:
+def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
+    """Greedy full-cache conversations, one batch row each: problem, answer, next problem, ... until the row holds
+    --min-tokens. Rows decode together; a row whose answer ends feeds its next problem's turn in the same step as
+    the others' next token. Returns per conversation its ids, prompt length (first turn) and the answer spans."""
+    cap = args.min_tokens + 2 * args.max_new_tokens + 1024
+    run = make_run("full", None, args.buffer, None, [1] * len(plans))
+    cache = make_cache(model, run, cap)
+    convs = [{"messages": [{"role": "system", "content": SYSTEM}], "text": "", "ids": [], "spans": [],
+              "todo": list(p), "answer": []} for p in plans]
+
+    def next_turn(c) -> list[int] | None:  # the next problem's turn, added to the conversation; None = it is done
+        if len(c["ids"]) >= args.min_tokens or not c["todo"]:
+            return None
+        c["messages"].append({"role": "user", "content": c["todo"].pop(0)})
+        new, c["text"] = turn_ids(tok, c["messages"], c["text"])
+        if len(c["ids"]) + len(new) + args.max_new_tokens > cap:
+            if not c["ids"]:
                 raise UsageError(f"a problem of {len(new)} tokens does not fit the trace cache: raise --min-tokens")
-            break
-        ids += new
-        if not spans:
-            prompt_len = len(ids)  # the system message and the first problem: what --protect-prompt keeps
-        logits, answer = feed(model, cache, torch.tensor([new], device=model.device), full), []
-        while len(answer) < args.max_new_tokens:
-            answer.append(logits[0, -1].argmax().item())
-            if answer[-1] in tok.eos_ids:
-                answer.pop()  # the template writes the end-of-turn token itself, with the next turn
-                break
-            logits = feed(model, cache, torch.tensor([answer[-1:]], device=model.device), full)
-        spans.append((len(ids), len(ids) + len(answer)))
-        ids += answer
-        messages.append({"role": "assistant", "content": tok.decode(answer)})
-        text += messages[-1]["content"]
-        if len(ids) >= args.min_tokens:
-            break
-    out.append({"ids": ids, "prompt_len": prompt_len, "spans": spans})
-    return out[-1]
+            return None
+        c["ids"] += new
+        c.setdefault("prompt_len", len(c["ids"]))  # the system message and the first problem
+        return new
+
+    pending = [next_turn(c) for c in convs]  # what each row feeds next
+    bar = tqdm(total=len(plans), desc="traces (full cache, greedy)", leave=False)
+    while cache.batch:
+        x = torch.tensor([p + [0] * (max(map(len, pending)) - len(p)) for p in pending], device=model.device)
+        nxt = feed(model, cache, x, run, n=[len(p) for p in pending])[:, -1].argmax(-1).tolist()
+        keep = []
+        for b, (row, t) in enumerate(zip(cache.rows, nxt)):
+            c = convs[row]
+            ended = t in tok.eos_ids  # the template writes the end-of-turn token itself, with the next turn
+            if not ended:
+                c["answer"].append(t)
+                ended = len(c["answer"]) == args.max_new_tokens
+            if not ended:
+                pending[b] = [t]
+                keep.append(b)
+                continue
+            answer, c["answer"] = c["answer"], []
+            c["spans"].append((len(c["ids"]), len(c["ids"]) + len(answer)))
+            c["ids"] += answer
+            c["messages"].append({"role": "assistant", "content": tok.decode(answer)})
+            c["text"] += c["messages"][-1]["content"]
+            new = next_turn(c)
+            if new is None:
+                bar.update()
+            else:  # a capped answer's last token has not been fed yet: it goes first
+                pending[b] = ([] if t in tok.eos_ids else [t]) + new
+                keep.append(b)
+        if len(keep) < cache.batch:
+            cache.keep_rows(keep)
+            pending = [pending[b] for b in keep]
+    bar.close()
+    return [{"ids": c["ids"], "prompt_len": c["prompt_len"], "spans": c["spans"]} for c in convs]
 
 
 def traces(args, lab: dict) -> list[dict]:
     """The packed fidelity traces, cached beside --out so that a rerun does not regenerate them."""
     if "traces" in lab:
         return lab["traces"]
-    key = {k: getattr(args, k) for k in ("model", "data", "n", "min_tokens", "max_new_tokens")}
+    key = {"model": model_key(args.model), "data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
+           "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
     path = Path(args.out + ".traces.json") if args.out else None
-    saved = json.loads(path.read_text()) if path and path.exists() else {}
+    saved = read_json_file(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
-        qs = [r["question"] for r in load_data(args.data)]
-        pool, out = qs[: args.n], []
-        spare = sorted(qs[args.n :], key=lambda q: len(tok.encode(q)))  # problems past --n, shortest first
-        bar = tqdm(total=len(pool), desc="traces (full cache, greedy)")
-        while pool:
-            # subtle: each conversation opens with the shortest spare problem, so that its protected first turn
-            # fits K - r even at K = 128; the last one may borrow more spare problems to reach --min-tokens
-            opener = spare[:1]  # empty once the spare problems run out: then a --n problem opens
-            used = len(pack_conversation(model, tok, opener + pool + spare[1:], args, out)["spans"])
-            from_pool = min(max(used - len(opener), 0), len(pool))
-            borrowed = max(used - len(opener) - len(pool), 0)  # spares answered after the pool ran dry
-            spare, pool = spare[len(opener) + borrowed :], pool[from_pool:]
-            bar.update(from_pool)
+        plans = conversation_plans(tok, [r["question"] for r in load_data(args.data)], args.n)
+        out = []
+        for i in range(0, len(plans), args.batch_size):
+            out += pack_conversations(model, tok, plans[i : i + args.batch_size], args)
         saved = {"key": key, "traces": out}
         if path:
             write_json(path, saved)
@@ -224,7 +174,7 @@ def fidelity(args, job: dict, lab: dict) -> dict:
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
         if i not in refs:  # the full cache's log-probs, once per trace: [N, V]
-            refs[i] = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 0))[at].log_softmax(-1)
+            refs[i] = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at].log_softmax(-1)
         p, q = refs[i], replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
         by_trace.append((p.exp() * (p - q)).sum().item())
         kl += by_trace[-1]
@@ -237,15 +187,22 @@ def fidelity(args, job: dict, lab: dict) -> dict:
 
 def accuracy(args, job: dict, lab: dict) -> dict:
     model, tok = model_of(args, lab)
-    right = answered = tokens = 0
     rows = load_data(args.data)[: args.n]
-    for row in rows:
-        prompt = tok.encode(tok.chat([{"role": "user", "content": row["question"] + ASK}]))
-        ids, _, _ = generate(model, prompt, run_for(job, args, len(prompt)), args.max_new_tokens, eos_ids=tok.eos_ids)
-        pred = extract_answer(tok.decode(ids), "####" in row["answer"])
-        right += is_correct(pred, row["answer"])
-        answered, tokens = answered + (pred is not None), tokens + len(ids)
-    return {"accuracy": right / len(rows), "answered": answered / len(rows), "mean_tokens": tokens / len(rows)}
+    right = answered = tokens = loops = 0
+    for i in range(0, len(rows), args.batch_size):
+        batch = rows[i : i + args.batch_size]
+        prompts = [tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}])) for r in batch]
+        # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
+        run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
+                       args.seed, ids=list(range(i, i + len(batch))))
+        outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
+        for r, ids in zip(batch, outs):
+            pred = extract_answer(tok.decode(ids), "####" in r["answer"])
+            right += is_correct(pred, r["answer"])
+            answered, tokens = answered + (pred is not None), tokens + len(ids)
+            loops += is_loop(ids, args.max_new_tokens, tok.eos_ids)
+    n = len(rows)
+    return {"accuracy": right / n, "answered": answered / n, "loops": loops / n, "mean_tokens": tokens / n}
 
 
 def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str, gap: int) -> dict:
@@ -289,62 +246,112 @@ def probe(args, job: dict, lab: dict) -> dict:
     return {"recall": recall / args.n, "logprob": logprob / args.n}
 
 
-def window_output(cache, layer: int) -> torch.Tensor:
-    """Attention output of the ring's queries over the held slots, causal by position: [B, H_q, w, D] fp32."""
-    keys, values = cache.get(layer)  # [B, H_kv, S, D]
-    q, qp = cache.q_ring[layer].float(), cache.q_pos  # [B, H_q, w, D], [w]
-    n_rep = q.shape[1] // keys.shape[1]
-    k, v = keys.float().repeat_interleave(n_rep, 1), values.float().repeat_interleave(n_rep, 1)
-    pos = cache.pos[layer, :, :, : keys.shape[2]].repeat_interleave(n_rep, 1)  # [B, H_q, S]
-    att = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H_q, w, S]
-    att = att.masked_fill(pos[:, :, None, :] > qp[:, None], -math.inf)
-    return (att.softmax(-1) @ v)[:, :, qp >= 0]
+# --- output perturbation against the uncompressed cache (CriticalKV's measure) ---------------------------------
 
 
-def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> torch.Tensor:
-    """CriticalKV's measure on the fidelity traces: ||o - o_hat||_1 of each window query's per-head attention
-    output projected through that head's slice of o_proj (as in the paper, o = A V W_O), before vs after an
-    eviction round, L1 over the hidden size, mean over queries, the GQA group and rounds -> [L, H_kv]."""
+def head_outputs(q: Tensor, q_pos: Tensor, keys: Tensor, values: Tensor, k_pos: Tensor, wo: Tensor) -> Tensor:
+    """Each query head's attention output projected through its own slice of o_proj, causal by position:
+    o_h W_O,h [H_q, w, hidden] for queries q [H_q, w, D] at q_pos [w] over keys/values [H_kv, S, D] at k_pos [H_kv, S];
+    wo [hidden, H_q * D]."""
+    H_q, _, D = q.shape
+    n_rep = H_q // keys.shape[0]
+    k, v = keys.float().repeat_interleave(n_rep, 0), values.float().repeat_interleave(n_rep, 0)
+    att = q.float() @ k.transpose(-1, -2) / math.sqrt(D)  # [H_q, w, S]
+    att = att.masked_fill(k_pos.repeat_interleave(n_rep, 0)[:, None, :] > q_pos[None, :, None], -math.inf)
+    o = att.softmax(-1) @ v  # [H_q, w, D]
+    return torch.einsum("hwd,ohd->hwo", o, wo.float().view(-1, H_q, D))
+
+
+def perturbation_l1(q, q_pos, archive, kept, wo) -> Tensor:
+    """||o - o_hat||_1 per KV head [H_kv]: o over every key/value the run produced (the archive), o_hat over the
+    slots it holds (kept), for the same queries, through each head's slice of W_O, L1 over the hidden size, mean
+    over the queries and the GQA group. archive and kept are (keys, values, positions) of one layer."""
+    diff = (head_outputs(q, q_pos, *archive, wo) - head_outputs(q, q_pos, *kept, wo)).abs().sum(-1)  # [H_q, w]
+    H_kv = kept[0].shape[0]
+    return diff.mean(-1).view(H_kv, -1).mean(-1)
+
+
+def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> dict:
+    """CriticalKV's measure on the fidelity traces. Every key and value the compressed run produces also goes to an
+    archive that is never evicted. At each eviction round we compare, per (layer, KV head), the attention output over
+    the archive with that over the kept slots, for two sets of queries: the window queries the scorers just used
+    (the paper's setting, "window"), and the next r queries decoding meets ("next", measured when they are all in,
+    at the next round). Returns {"window": [L, H_kv], "next": [L, H_kv]}, means over rounds."""
     memo = lab.setdefault("perturb", {})
     if (policy, budget, protect) in memo:
         return memo[policy, budget, protect]
     model, _ = model_of(args, lab)
-    L, H_kv, H_q = model.cfg.num_hidden_layers, model.cfg.num_key_value_heads, model.cfg.num_attention_heads
-    wo = [blk.self_attn.o_proj.weight.float().view(-1, H_q, model.cfg.head_dim) for blk in model.model.layers]
-    total, rounds, before = torch.zeros(L, H_kv), 0, {}
+    cfg = model.cfg
+    L, H_kv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    wo = [blk.self_attn.o_proj.weight for blk in model.model.layers]
+    sums = {"window": torch.zeros(L, H_kv), "next": torch.zeros(L, H_kv)}
+    counts = {"window": 0, "next": 0}
 
-    def watch(cache, when):  # called around each eviction round (untimed)
-        nonlocal total, rounds
-        outs = [torch.einsum("hwd,ohd->hwo", window_output(cache, l)[0], wo[l]) for l in range(L)]  # [H_q, w, hidden]
-        if when == "before":
-            before["o"] = outs
-            return
-        l1 = torch.stack([(o - b).abs().sum(-1).mean(-1) for o, b in zip(outs, before["o"])])  # [L, H_q]
-        total += l1.view(L, H_kv, -1).mean(-1).cpu()
-        rounds += 1
+    def measure(cache, which: str, q_from: int):  # the ring's queries at positions >= q_from against the archive
+        for l in range(L):
+            q, qp = cache.q_ring[l, 0], cache.q_pos[0]
+            use = qp >= q_from
+            S, n = cache.length[0], int(cache.next_pos[0])
+            kept = (cache.k[l, 0, :, :S], cache.v[l, 0, :, :S], cache.pos[l, 0, :, :S])
+            archive = (arch["k"][l, :, :n], arch["v"][l, :, :n], torch.arange(n).expand(H_kv, n))
+            sums[which][l] += perturbation_l1(q[:, use], qp[use], archive, kept, wo[l]).cpu()
+        counts[which] += 1
+
+    def observe(cache, out, run):  # after every forward: the chunk's new keys/values also go to the archive
+        n, S = out.chunk.n[0], cache.length[0]
+        p = out.chunk.pos[0, :n]
+        arch["k"][:, :, p] = cache.k[:, 0, :, S - n : S]
+        arch["v"][:, :, p] = cache.v[:, 0, :, S - n : S]
+        if inner:
+            inner(cache, out, run)
+
+    def watch(cache, b, when):  # around each eviction round (untimed)
+        if when == "before" and arch["evicted_at"] is not None:  # the r queries since the last round are all in
+            measure(cache, "next", arch["evicted_at"])
+        if when == "after":
+            measure(cache, "window", 0)
+            arch["evicted_at"] = cache.next_pos[0]
 
     for tr in traces(args, lab):
         run = run_for({"policy": policy, "budget": budget, "protect": protect}, args, tr["prompt_len"])
-        # every policy needs the window's queries here, even one whose scorer reads none: widen the ring
-        run.policy = replace(run.policy, window=max(run.policy.window, PERTURB_WINDOW))
+        inner = run.policy.observe
+        # every policy needs the window's queries here, even one whose scorer reads none: a ring of r
+        run.policy = replace(run.policy, window="buffer", observe=observe)
         run.watch = watch
-        replay(model, tr["ids"], run, start=len(tr["ids"]) - 1)  # only the last position's logits
-    memo[policy, budget, protect] = total / max(rounds, 1)
+        T = len(tr["ids"])
+        arch = {"k": torch.zeros(L, H_kv, T, D), "v": torch.zeros(L, H_kv, T, D), "evicted_at": None}
+        with torch.inference_mode():  # note: the last round's next queries are cut short by the trace's end: unused
+            feed(model, make_cache(model, run, T), torch.tensor([tr["ids"]], device=model.device), run)
+    memo[policy, budget, protect] = {k: sums[k] / max(counts[k], 1) for k in sums}
     return memo[policy, budget, protect]
 
 
 def perturbation(args, job: dict, lab: dict) -> dict:
     mine = head_perturbation(args, job["policy"], job["budget"], job["protect"], lab)
     snap = head_perturbation(args, "snapkv", job["budget"], job["protect"], lab)
-    return {"mean_l1": mine.mean().item(), "heads_better_than_snapkv": (mine < snap).float().mean().item()}
+    row = {}
+    for k in ("window", "next"):
+        row[f"l1_{k}"] = mine[k].mean().item()
+        row[f"better_{k}"] = (mine[k] < snap[k]).float().mean().item()  # share of (layer, KV head) below snapkv
+        row[f"l1_{k}_by_head"] = mine[k].tolist()
+    return row
 
 
 # -----------------------------------------------------------------------------
-# the driver: jobs -> rows, resumable, atomically written, printed as Markdown
+# the driver: jobs -> rows, validated up front, merged into --out under a lock, printed as Markdown
+
+
+def model_key(model: str | None) -> str:
+    """A result's model: the default, or a directory named by its resolved path and its config's content."""
+    if not model:
+        return "default"
+    cfg = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+    return f"{Path(model).resolve()}@{file_hash(cfg)}" if cfg.is_file() else str(model)
 
 
 def make_jobs(args) -> list[dict]:
-    """Key fields of each row: the full cache first (the reference), then every policy x budget."""
+    """Key fields of each row: the full cache first (the reference), then every policy x budget. The key holds
+    every setting that changes a row's result, so a rerun with another setting computes a new row."""
     try:
         budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
@@ -355,32 +362,77 @@ def make_jobs(args) -> list[dict]:
     jobs += [{"policy": p, "budget": b, "protect": protect(p)} for p in names for b in budgets]
     extra = {}
     if args.cmd == "probe":  # the planted fact always sits in the trace: --where is for the passcode
-        extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None}
-    common = {"data": Path(args.data).name, "n": args.n, "buffer": args.buffer, "seed": args.seed,
-              "model": args.model, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+        extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd in ("fidelity", "perturbation"):
-        common["min_tokens"] = args.min_tokens
-    if args.cmd == "probe":
-        common["gap"] = args.gap
+        extra = {"min_tokens": args.min_tokens}
+    common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
+              "seed": args.seed, "model": model_key(args.model), "dtype": str(resolve_device(args.device, args.dtype)[1]),
+              "max_new_tokens": args.max_new_tokens}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
 
 
+def check_jobs(args, jobs: list[dict], lab: dict):
+    """Refuse, in one line and before the first job runs, any setting that would fail mid-sweep."""
+    for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap"):
+        if getattr(args, flag, 1) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
+    model, tok = model_of(args, lab)
+    rows = load_data(args.data)
+    if args.cmd == "accuracy":
+        lens = [len(tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}]))) for r in rows[: args.n]]
+        longest = max(lens) + args.max_new_tokens
+    elif args.cmd == "probe":
+        pr = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap) for i in range(args.n)]
+        lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
+    else:  # fidelity / perturbation: the first turns are the n shortest problems' (the conversations' openers)
+        if args.n > len(rows):
+            raise UsageError(f"--n {args.n} traces need at least {args.n} problems; {args.data} has {len(rows)}")
+        firsts = conversation_plans(tok, [r["question"] for r in rows], args.n)
+        lens = [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
+                for p in firsts]
+        longest = args.min_tokens + 2 * args.max_new_tokens + 1024
+    limit = model.cfg.max_position_embeddings
+    if longest > limit:
+        raise UsageError(f"these settings need sequences of up to {longest} tokens, past the model's {limit} "
+                         "positions: lower --gap, --min-tokens or --max-new-tokens")
+    for j in jobs:
+        run_for(j, args, lens)  # one-line refusal of a prompt that does not fit K - r, or a bad --budget/--buffer
+
+
+def read_json_file(path: Path, kind: type):
+    """A JSON file's content, which must be a `kind` (a list of rows or a dict); one-line errors."""
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = None
+    if not isinstance(obj, kind) or kind is list and not all(isinstance(r, dict) for r in obj):
+        what = "a JSON list of rows" if kind is list else "a JSON object"
+        raise UsageError(f"{path} is not {what}: move it away or pick another --out")
+    return obj
+
+
 def write_json(path: Path, obj):
-    """Write to a temporary file, then rename over path: an interrupted write never leaves a broken file."""
+    """Write to a temporary file of this process's own, then rename over path: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
 
-def read_rows(path: str | None) -> list[dict]:
-    try:
-        rows = json.loads(Path(path).read_text()) if path and Path(path).exists() else []
-    except json.JSONDecodeError:
-        rows = None
-    if not isinstance(rows, list):
-        raise UsageError(f"--out {path} is not a JSON list of rows: move it away or pick another file")
-    return rows
+@contextmanager
+def locked(path: Path):
+    """Hold an exclusive lock on path's .lock file: writers of the same --out take turns to read, merge and write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def rows_of(path: Path) -> list[dict]:
+    return read_json_file(path, list) if path.exists() else []
 
 
 def markdown(rows: list[dict], keys=()) -> str:
@@ -396,15 +448,39 @@ def markdown(rows: list[dict], keys=()) -> str:
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
 
 
+def paired(rows: list[dict], base: str = "snapkv") -> str:
+    """Every policy's per-trace KL against `base`'s on the same traces: mean difference ± standard error and in how
+    many traces the policy is lower. Markdown; empty when base is not among the rows."""
+    ref = {r["budget"]: r["kl_by_trace"] for r in rows if r["policy"] == base and "kl_by_trace" in r}
+    lines = []
+    for r in rows:
+        b = ref.get(r["budget"])
+        if r["policy"] in ("full", base) or b is None or len(b) != len(r.get("kl_by_trace", [])):
+            continue
+        d = torch.tensor(r["kl_by_trace"]) - torch.tensor(b)
+        se = d.std().item() / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        lines.append(f"| {r['policy']} | {r['budget']} | {d.mean().item():+.4f} ± {se:.4f} | "
+                     f"{int((d < 0).sum())}/{len(d)} |")
+    head = [f"KL difference against {base} per trace (mean ± standard error; lower in x/N traces):",
+            "| policy | budget | Δ KL | lower |", "|---|---|---|---|"]
+    return "\n".join(head + lines) if lines else ""
+
+
 def run_jobs(args, jobs: list[dict], measure) -> list[dict]:
-    """Measure every job that --out does not already hold; keep the file current after each one."""
-    rows = read_rows(args.out)
-    done = lambda job: any(all(r.get(k) == v for k, v in job.items()) for r in rows)
-    for job in tqdm([j for j in jobs if not done(j)], desc=args.cmd):
-        rows.append({**job, **measure(job)})
-        if args.out:
-            write_json(Path(args.out), rows)
-    return [r for r in rows if r.get("task") == args.cmd]
+    """Measure every job that --out does not already hold; merge each finished row into --out under its lock."""
+    path = Path(args.out) if args.out else None
+    mine: list[dict] = []
+    done = lambda job, rows: any(all(r.get(k) == v for k, v in job.items()) for r in rows)
+    for job in tqdm([j for j in jobs if not done(j, rows_of(path) if path else [])], desc=args.cmd):
+        if path and done(job, rows_of(path)):  # another sweep on the same --out finished it meanwhile
+            continue
+        row = {**job, **measure(job)}
+        mine.append(row)
+        if path:
+            with locked(path):
+                write_json(path, [r for r in rows_of(path) if not done(job, [r])] + [row])
+    rows = rows_of(path) if path else mine
+    return [next(r for r in rows if done(j, [r])) for j in jobs if done(j, rows)]  # in job order
 
 
 # -----------------------------------------------------------------------------
@@ -414,43 +490,45 @@ TASKS = {"fidelity": fidelity, "accuracy": accuracy, "probe": probe, "perturbati
 
 
 def build_parser() -> argparse.ArgumentParser:
-    shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
+    common = argparse.ArgumentParser(add_help=False)  # every subcommand, bench included
+    common.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    add_device_args(shared)
-    shared.add_argument("--policies", default="all", help="comma list of policies, or all (every registered one; "
+    add_device_args(common)
+    common.add_argument("--policies", default="all", help="comma list of policies, or all (every registered one; "
                         "fidelity, accuracy and probe add the full cache as the reference row)")
+    common.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored; eviction every r steps")
+    common.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep every prompt token, for all policies (default: each policy's paper setting)")
+    common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
+    common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
+                        "several sweeps may write one file at once")
+    shared = argparse.ArgumentParser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
-    shared.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored; eviction every r steps")
-    shared.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
-                        help="keep every prompt token, for all policies (default: each policy's paper setting)")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "
                         "and 'answer' per line, e.g. ../shared/data/gsm8k_test.jsonl")
-    shared.add_argument("--n", type=int, default=20, help="problems (fidelity, accuracy) or probes to run")
+    shared.add_argument("--n", type=int, default=12, help="problems (accuracy), probes (probe), or packed "
+                        "conversations (fidelity, perturbation)")
     shared.add_argument("--max-new-tokens", type=int, default=512, help="cap on each generated answer")
-    shared.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
-    shared.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes")
+    shared.add_argument("--batch-size", type=int, default=None, help="problems or conversations decoded together "
+                        "(default: 16 on CPU, 64 on CUDA); results do not depend on it")
     ap = Parser(description="Evaluate KV-cache eviction policies against the full cache.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench"]) + "}")
     p = sub.add_parser("fidelity", parents=[shared], help="teacher-forced KL / top-1 / NLL gap vs the full cache")
-    p.add_argument("--min-tokens", type=int, default=1024, help="pack problems into one conversation until it "
-                   "holds this many tokens (a small model stops early)")
-    sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1")
+    p.add_argument("--min-tokens", type=int, default=1024, help="pack problems into each conversation until it "
+                   "holds this many tokens")
+    sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
     p = sub.add_parser("probe", parents=[shared], help="passcode / planted-fact recall after a long trace")
     p.add_argument("--probe", choices=["passcode", "fact"], default="passcode", help="passcode: a code said once, "
                    "asked at the end; fact: 'x = 7291' planted in the trace, asked --gap tokens later")
     p.add_argument("--where", choices=["prompt", "trace"], default="prompt", help="where the passcode is said")
-    p.add_argument("--gap", type=int, default=1536, help="trace tokens between the secret and the question")
-    p = sub.add_parser("perturbation", parents=[shared], help="CriticalKV's ||o - o_hat||_1 at each eviction")
+    p.add_argument("--gap", type=int, default=1536, help="trace tokens between the secret and the question (>= 1)")
+    p = sub.add_parser("perturbation", parents=[shared], help="CriticalKV's ||o - o_hat||_1 against the "
+                       "uncompressed cache at each eviction")
     p.add_argument("--min-tokens", type=int, default=1024, help="as for fidelity (the same traces)")
-    try:
-        import bench  # the speed benchmark lives in its own file; without it there is no bench subcommand
-    except ModuleNotFoundError as e:
-        if e.name != "bench":
-            raise
-        return ap
-    bench.add_arguments(sub.add_parser("bench", parents=[shared], help="decode speed, eviction cost, peak memory"))
+    import bench  # the speed benchmark lives in its own file
+
+    bench.add_arguments(sub.add_parser("bench", parents=[common], help="decode speed, eviction cost, peak memory"))
     return ap
 
 
@@ -460,19 +538,25 @@ def main(argv=None):
         if args.cmd == "bench":
             import bench
 
-            jobs = [{"task": "bench", **j} for j in bench.jobs(args)]
-            measure = lambda job: bench.measure(args, {k: v for k, v in job.items() if k != "task"})
+            jobs = bench.jobs(args)
+            measure = lambda job: bench.measure(args, job)
         else:
-            if args.n < 1 or args.max_new_tokens < 1:
-                raise UsageError("--n and --max-new-tokens must be at least 1")
             load_data(args.data)  # fail on a bad file before loading the model
+            if args.batch_size is None:
+                args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype)[0]).type == "cuda" else 16
             jobs, lab = make_jobs(args), {}
+            check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
-        print(markdown(run_jobs(args, jobs, measure), keys=set().union(*jobs)))
+        rows = run_jobs(args, jobs, measure)
+        print(markdown(rows, keys=set().union(*jobs)))
+        if args.cmd == "fidelity" and paired(rows):
+            print("\n" + paired(rows))
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("\ninterrupted: finished rows are in --out; rerun the same command to resume")
+    except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
+        sys.stderr.close()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Left out: batching of different-length prompts, speculative decoding, paged memo
 """
 
 import argparse
+import hashlib
+import math
+import os
 import resource
 import sys
 import time
@@ -22,10 +25,9 @@ from cache import KVCache
 from model import ModelError, Tokenizer, load_model
 from policies import POLICIES, Policy, ScoreCtx
 
-DEFAULT_PROMPT = (
-    "Lisa reads 12 pages on Monday, twice as many on Tuesday, and 5 fewer than Tuesday on Wednesday. "
-    "How many pages did she read in total? Show your reasoning step by step."
-)
+DEFAULT_PROMPT = ("Describe the water cycle step by step, from evaporation to precipitation. "
+                  "What is the main source of heat that drives it?")
+DEFAULT_ANSWER = "sun"  # the full cache's greedy answer ends with it (test_all checks), after ~460 tokens
 DEFAULT_BUDGET = 192  # for evicting policies: fits the default protected prompt, and the default answer evicts
 N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected
 
@@ -50,7 +52,7 @@ def peak_memory_mb(device) -> float:
 
 
 # -----------------------------------------------------------------------------
-# one generation's eviction settings
+# one request's eviction settings and bookkeeping
 
 
 @dataclass
@@ -58,13 +60,29 @@ class Run:
     policy: Policy
     budget: int | None  # K, slots right after an eviction; None = full cache
     buffer: int  # r, newest slots never scored
-    protect_below: int  # positions below this always survive: the prompt length, or N_SINK
+    prompt_len: list[int]  # per row of the request
+    protect_below: list[int]  # per row: positions below this always survive (its prompt length, or N_SINK)
     seed: int = 0
-    state: dict = field(default_factory=dict)  # per-run policy state (EPIKV's rolling history)
-    rounds: int = 0  # eviction events so far
-    evict_s: float = 0.0  # seconds spent in them
-    max_slots: int = 0  # most slots ever held
-    watch: Callable | None = None  # watch(cache, "before" | "after") around each eviction, untimed (eval.py)
+    ids: list[int] = field(default_factory=list)  # per row: its identity for random draws (default: its index)
+    state: list[dict] = field(default_factory=list)  # per row: the policy's state (EPIKV's rolling history)
+    rounds: list[int] = field(default_factory=list)  # per row: eviction rounds so far
+    evict_s: float = 0.0  # seconds spent evicting, all rows
+    max_slots: int = 0  # most slots any row ever held
+    watch: Callable | None = None  # watch(cache, b, "before" | "after") around each eviction, untimed (eval.py)
+
+    def __post_init__(self):
+        self.ids = self.ids or list(range(len(self.prompt_len)))
+        self.state = self.state or [{} for _ in self.prompt_len]
+        self.rounds = self.rounds or [0] * len(self.prompt_len)
+
+    @property
+    def evictions(self) -> int:
+        return sum(self.rounds)
+
+    @property
+    def ring(self) -> int:
+        """How many recent queries per row the cache keeps for the scorer."""
+        return self.buffer if self.policy.window == "buffer" else self.policy.window
 
 
 def policy_names(arg: str, full: bool = True) -> list[str]:
@@ -80,8 +98,12 @@ def policy_names(arg: str, full: bool = True) -> list[str]:
     return [p for p in names if full or p != "full"]
 
 
-def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int, seed: int = 0) -> Run:
-    """Check the settings against each other and the prompt; protect=None takes the policy's paper default."""
+def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int | list[int],
+             seed: int = 0, ids: list[int] | None = None) -> Run:
+    """Check the settings against each other and the prompt (or each row's prompt, for a batch);
+    protect=None takes the policy's paper default. ids: each row's identity for its random draws, e.g. its problem's
+    index in a sweep, so that a row's draws do not depend on which batch it ran in."""
+    lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     p = POLICIES[policy]
@@ -89,117 +111,161 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         if budget is not None:
             raise UsageError("--budget has no effect with --policy full (it keeps every token): "
                              "drop it or pick an evicting policy")
-        return Run(p, None, buffer, 0, seed)
+        return Run(p, None, buffer, lens, [0] * len(lens), seed, ids or [])
     budget = DEFAULT_BUDGET if budget is None else budget
     if buffer < 1:
         raise UsageError(f"--buffer must be at least 1 (got {buffer})")
     if budget <= buffer:
         raise UsageError(f"--budget {budget} must exceed --buffer {buffer}: the buffer is part of the budget")
     protect = p.protect_prompt if protect is None else protect
-    keep = prompt_len if protect else N_SINK
+    keep = max(lens) if protect else N_SINK
     if keep > budget - buffer:
-        what = f"the protected prompt ({prompt_len} tokens)" if protect else f"the {N_SINK} sink tokens"
+        what = f"the protected prompt ({keep} tokens)" if protect else f"the {N_SINK} sink tokens"
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} do not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
-    return Run(p, budget, buffer, keep, seed)
+    return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [])
 
 
-def make_cache(model, run: Run, n_tokens: int, batch: int = 1) -> KVCache:
-    """A cache for n_tokens in all: budget + buffer slots when evicting, else every token."""
+def make_cache(model, run: Run, n_tokens: int) -> KVCache:
+    """A cache for each row of the request and n_tokens per row: budget + buffer slots when evicting, else all."""
     cfg = model.cfg
     cap = n_tokens if run.budget is None else min(n_tokens, run.budget + run.buffer)
     w = model.model.embed_tokens.weight
-    return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, cap,
-                   n_q_heads=cfg.num_attention_heads, window=run.policy.window, side=run.policy.side,
+    return KVCache(cfg.num_hidden_layers, len(run.prompt_len), cfg.num_key_value_heads, cfg.head_dim, cap,
+                   n_q_heads=cfg.num_attention_heads, window=run.ring, side=run.policy.side,
                    device=w.device, dtype=w.dtype)
+
+
+def seed_of(*parts: int) -> int:
+    """A 63-bit generator seed from any integers, e.g. (--seed, row, layer, round); any --seed works, even 2**70."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 # -----------------------------------------------------------------------------
 # prefill, decode, eviction
 
 
-def evict_round(model, cache: KVCache, run: Run):
-    """Score every layer, then evict every layer back to the budget."""
+def evict_round(model, cache: KVCache, run: Run, b: int):
+    """Score every layer of batch row b, then evict every layer of it back to the budget."""
+    row = cache.rows[b]  # the row's index in the request: its draws and its state follow it, not its batch slot
     if run.watch:
-        run.watch(cache, "before")
+        run.watch(cache, b, "before")
     t0 = time.perf_counter()
-    S = cache.length[0]
-    all_kv = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
+    S, r = cache.length[b], slice(b, b + 1)  # one row at a time: views into the cache, no copies
+    all_kv = (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
     memo = {}  # shared by this round's layers (e.g. epikv-lag scores all layers at once)
     scores, masks = [], []
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
-        keys, values = cache.get(layer)
-        pos, protected = cache.pos[layer, :, :, :S], cache.protected(layer, run.protect_below, run.buffer)
+        pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, b, run.protect_below[row], run.buffer)
+        g = torch.Generator(cache.k.device).manual_seed(seed_of(run.seed, run.ids[row], layer, run.rounds[row]))
+        ctx = ScoreCtx(layer=layer, keys=cache.k[layer, r, :, :S], values=cache.v[layer, r, :, :S], pos=pos,
+                       protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],
+                       wo=blk.self_attn.o_proj.weight, side={n: s[layer, r, :, :S] for n, s in cache.side.items()},
+                       all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generator=g,
+                       fresh=run.budget if run.rounds[row] else 0, memo=memo)
+        s = run.policy.score(ctx)
+        if blk.self_attn.window:  # a sliding layer never again sees keys that left its window: they go first
+            s = s.masked_fill(pos <= cache.next_pos[b] - blk.self_attn.window, -float("inf"))
+        scores.append(s)
         masks.append(protected)
-        g = torch.Generator(keys.device).manual_seed(run.seed * 1_000_003 + run.rounds * 1_009 + layer)
-        ctx = ScoreCtx(layer, keys, values, pos, protected, cache.q_ring[layer], cache.q_pos,
-                       blk.self_attn.o_proj.weight, {n: s[layer, :, :, :S] for n, s in cache.side.items()},
-                       all_kv, model.cfg, run.budget, run.buffer, g, run.budget if run.rounds else 0, memo)
-        scores.append(run.policy.score(ctx))
-    for layer, (s, protected) in enumerate(zip(scores, masks)):
-        cache.evict(layer, s, run.budget, protected)
+    cache.evict(b, scores, masks, run.budget)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
-    run.rounds += 1
+    run.rounds[row] += 1
     run.evict_s += time.perf_counter() - t0
     if run.watch:
-        run.watch(cache, "after")
+        run.watch(cache, b, "after")
 
 
-def feed(model, cache: KVCache, tokens: Tensor, run: Run, all_logits: bool = False) -> Tensor:
-    """Run tokens [B, T] through the model in chunks that fit the cache, evicting whenever it is full.
-    Returns the logits of the last position [B, 1, V], or of every position [B, T, V]."""
-    logits = []
-    i, T = 0, tokens.shape[1]
-    while i < T:
-        n = min(T - i, cache.capacity - cache.length[0])
-        if n == 0:
+def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = None,
+         all_logits: bool = False) -> Tensor:
+    """Run tokens [B, T] through the model, row b taking its first n[b] (default all T), in chunks that fit the
+    cache and end where a row's eviction is due; each row evicts when it holds budget + buffer slots.
+    Returns every position's logits [B, T, V] (all_logits), else each row's last real position's [B, 1, V]."""
+    B, T = tokens.shape
+    n, done = ([T] * B if n is None else list(n)), [0] * B
+    out_logits = None
+    while any(d < m for d, m in zip(done, n)):
+        take = [min(m - d, cache.capacity - l) for m, d, l in zip(n, done, cache.length)]
+        if any(t <= 0 < m - d for t, m, d in zip(take, n, done)):
             raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
-        out = model(tokens[:, i : i + n], cache, all_logits=all_logits, collect=run.policy.observe is not None)
+        Tc = max(take)
+        if len(set(done)) == 1:  # the common case: every row is at the same column
+            x = tokens[:, done[0] : done[0] + Tc]
+        else:  # ragged: each row continues from its own column (the tail past a row's take is padding)
+            cols = (torch.tensor(done, device=tokens.device)[:, None] + torch.arange(Tc, device=tokens.device))
+            x = tokens.gather(1, cols.clamp(max=T - 1))
+        out = model(x, cache, take, all_logits=all_logits, collect=run.policy.observe is not None)
+        if not out.logits.sum().isfinite():  # one NaN or inf anywhere makes the sum NaN or inf: a cheap check
+            raise ModelError("the model produced NaN/inf logits: its weights are likely corrupt (for the default "
+                             "model run 'python weights.py --force'; else re-download --model)")
         if run.policy.observe:
-            run.policy.observe(cache, out, run.state)
-        run.max_slots = max(run.max_slots, cache.length[0])
-        if run.budget is not None and cache.length[0] == run.budget + run.buffer:
-            evict_round(model, cache, run)
-        logits.append(out.logits)
-        i += n
-    return torch.cat(logits, 1) if all_logits else logits[-1]
+            run.policy.observe(cache, out, run)
+        run.max_slots = max(run.max_slots, *cache.length)
+        for b in range(cache.batch):
+            if run.budget is not None and cache.length[b] == run.budget + run.buffer:
+                evict_round(model, cache, run, b)
+        if out_logits is None:
+            out_logits = out.logits.new_zeros(B, T if all_logits else 1, out.logits.shape[-1])
+        for b, (d, t) in enumerate(zip(done, take)):  # each row's real logits go to its own columns
+            if t and all_logits:
+                out_logits[b, d : d + t] = out.logits[b, :t]
+            elif t:
+                out_logits[b] = out.logits[b]
+        done = [d + t for d, t in zip(done, take)]
+    return out_logits
 
 
-def sample(logits: Tensor, temperature: float, top_p: float, g: torch.Generator | None = None) -> Tensor:
-    """logits [B, V] -> token ids [B, 1]. Temperature 0 is argmax (deterministic, what the tests use)."""
+def sample(logits: Tensor, temperature: float, top_p: float, gens: list) -> Tensor:
+    """logits [B, V] -> token ids [B, 1]. Temperature 0 is argmax (deterministic, what the tests use). Each row draws
+    from its own generator, so its tokens do not depend on the other rows of the batch."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    probs = (logits / temperature).softmax(-1)
+    # subtracting the max first keeps a tiny temperature finite: it tends to argmax instead of overflowing
+    probs = ((logits - logits.amax(-1, keepdim=True)) / temperature).softmax(-1)
     if top_p < 1:  # nucleus: keep the smallest set of top tokens whose mass reaches top_p
         p, idx = probs.sort(-1, descending=True)
         p[(p.cumsum(-1) - p) > top_p] = 0
         probs = torch.zeros_like(probs).scatter_(-1, idx, p)
-    return torch.multinomial(probs, 1, generator=g)
+    return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, gens)])
 
 
 @torch.inference_mode()
-def generate(model, prompt: list[int], run: Run, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_ids=(), on_token=None) -> tuple[list[int], KVCache, dict]:
-    """Prefill the prompt, then decode until EOS or max_new_tokens. Returns (new ids, cache, timings)."""
-    cache = make_cache(model, run, len(prompt) + max_new_tokens)
-    g = torch.Generator(model.device).manual_seed(run.seed)
+def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, eos_ids=(), on_token=None) -> tuple[list[list[int]], KVCache, dict]:
+    """Prefill every prompt (rows of one batch, each its own length), then decode one token per unfinished row per
+    step until its EOS or max_new_tokens; a finished row leaves the batch. Returns (new ids per prompt, cache,
+    timings). on_token(row, ids) sees each row's ids so far after every token."""
+    if not prompts or not all(prompts):
+        raise UsageError("generate needs at least one prompt, and no prompt may be empty")
+    cache = make_cache(model, run, max(map(len, prompts)) + max_new_tokens)
+    gens = [torch.Generator(model.device).manual_seed(seed_of(run.seed, i)) for i in run.ids]
     t0 = time.perf_counter()
-    logits = feed(model, cache, torch.tensor([prompt], device=model.device), run)
+    T = max(map(len, prompts))
+    x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=model.device)  # right-padded [B, T]
+    logits = feed(model, cache, x, run, n=[len(p) for p in prompts])[:, -1]  # [B, V]
     t1 = time.perf_counter()
-    out = []
+    outs = [[] for _ in prompts]
     while True:
-        tok = sample(logits[:, -1], temperature, top_p, g)  # [1, 1]
-        out.append(tok.item())
-        if on_token:
-            on_token(out)
-        if out[-1] in eos_ids or len(out) == max_new_tokens:
+        tok = sample(logits, temperature, top_p, [gens[row] for row in cache.rows])  # [B, 1]
+        finished = []
+        for b, (row, t) in enumerate(zip(cache.rows, tok[:, 0].tolist())):
+            outs[row].append(t)
+            if on_token:
+                on_token(row, outs[row])
+            if t in eos_ids or len(outs[row]) == max_new_tokens:
+                finished.append(b)
+        if len(finished) == cache.batch:
             break
-        logits = feed(model, cache, tok, run)
+        if finished:  # the rest decode on without them; the last rows to finish stay, for the caller to inspect
+            keep = [b for b in range(cache.batch) if b not in finished]
+            cache.keep_rows(keep)
+            tok = tok[keep]
+        logits = feed(model, cache, tok, run)[:, -1]
     t2 = time.perf_counter()
-    return out, cache, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+    return outs, cache, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
 # -----------------------------------------------------------------------------
@@ -208,10 +274,10 @@ def generate(model, prompt: list[int], run: Run, max_new_tokens: int, temperatur
 
 def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: int = 96) -> str:
     """One row per KV head: each character covers `per` positions, shaded by the fraction of them kept."""
-    n = cache.next_pos
+    n = cache.next_pos[0]
     per = -(-n // width)  # positions per character, rounded up
     cols = -(-n // per)
-    pos = cache.pos[layer, 0, :, : cache.length[layer]]  # [H_kv, S]
+    pos = cache.pos[layer, 0, :, : cache.length[0]]  # [H_kv, S]
     kept = torch.zeros(pos.shape[0], cols * per, device=pos.device).scatter_(1, pos, 1.0)
     span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
     frac = (kept.view(-1, cols, per).cpu() * span).sum(-1) / span.sum(-1)  # [H_kv, cols]
@@ -258,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep every prompt token (default: the policy's paper setting)")
     ap.add_argument("--show-kept", type=int, nargs="?", const=-1, default=None, metavar="LAYER",
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
+    ap.add_argument("--compare", action="store_true", help="also answer with the full cache and show where the "
+                    "two texts first differ")
     return ap
 
 
@@ -269,6 +337,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("\ninterrupted")
+    except BrokenPipeError:  # e.g. `python generate.py | head -2`: the reader left, so we stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        sys.exit(1)
 
 
 def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
@@ -277,7 +348,9 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dt
     try:
         d = torch.device(device)
     except RuntimeError:
-        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+        d = None
+    if d is None or d.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {device!r} is not a device nanokv runs on: use cpu, cuda, cuda:N or mps")
     if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
                          "use --device cpu or an existing cuda:N")
@@ -286,23 +359,58 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dt
     return device, getattr(torch, dtype) if dtype else torch.bfloat16 if d.type == "cuda" else torch.float32
 
 
+def cpu_threads(device):
+    """On CPU, torch keeps one thread: decode's time goes to matrix products, which kernels.linear then hands to
+    numpy's OpenBLAS and its own threads (all cores). A second busy-waiting pool would fight it for the cores."""
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
+
+
 def load(model_dir, device, dtype):
     """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
     from weights import SetupError, default_model_dir
 
+    device, dtype = resolve_device(device, dtype)  # a bad --device fails before any download
+    cpu_threads(device)
     try:
         model_dir = model_dir or default_model_dir(fetch=True)
     except SetupError as e:
         raise ModelError(str(e)) from None
-    device, dtype = resolve_device(device, dtype)
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)
+
+
+def check_sampling(temperature: float, top_p: float):
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UsageError(f"--temperature must be 0 (greedy) or a positive number (got {temperature})")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (got {top_p})")
+
+
+def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6) -> str:
+    """What eviction changed: how many tokens agree with the full cache's, and the text either side of the first
+    token where the two differ."""
+    n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    same = sum(a == b for a, b in zip(ref, got)) / max(len(ref), len(got))
+    head = f"[compare] against the full cache: {same:.0%} of positions agree; "
+    if n == len(ref) == len(got):
+        return head + "the two answers are identical"
+    before = " ".join(tok.decode(ref[:n]).split()[-words:])
+    after = lambda ids: " ".join(tok.decode(ids[n:]).split()[:words]) or "(ends)"
+    return (head + f"the first {n} tokens are identical, then\n  ...{before}\n"
+            f"  {'full':>{len(policy)}} | {after(ref)}\n  {policy} | {after(got)}")
 
 
 def run_cli(args):
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
-    if not 0 < args.top_p <= 1 or args.temperature < 0:
-        raise UsageError("--top-p must be in (0, 1] and --temperature >= 0")
+    check_sampling(args.temperature, args.top_p)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # e.g. invalid UTF-8 bytes in argv, which Python keeps as lone surrogates
+        raise UsageError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty: give the model a question")
+    make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
     model, tok = load(args.model, args.device, args.dtype)
     prompt = tok.encode(tok.chat([{"role": "user", "content": args.prompt}]))
     limit = model.cfg.max_position_embeddings
@@ -316,22 +424,27 @@ def run_cli(args):
 
     printed = [0]
 
-    def stream(ids):  # print the new text, holding back a partial UTF-8 character
-        text = tok.decode(ids)
+    def stream(ids):  # print the new text (not the end-of-turn token), holding back a partial UTF-8 character
+        text = tok.decode([i for i in ids if i not in tok.eos_ids])
         if not text.endswith("\ufffd"):
             print(text[printed[0] :], end="", flush=True)
             printed[0] = len(text)
 
-    ids, cache, t = generate(model, prompt, run, args.max_new_tokens, args.temperature, args.top_p,
-                             tok.eos_ids, stream)
+    sampling = (args.max_new_tokens, args.temperature, args.top_p, tok.eos_ids)
+    (ids,), cache, t = generate(model, [prompt], run, *sampling, on_token=lambda row, ids: stream(ids))
     print()
     if args.show_kept is not None:
         layer = args.show_kept if args.show_kept >= 0 else L // 2
         print(show_kept(cache, layer, len(prompt), run.buffer))
-    tps = (len(ids) - 1) / t["decode_s"] if len(ids) > 1 else float("nan")
-    ev = f"{run.rounds} evictions, {run.evict_s * 1e3:.1f} ms ({run.evict_s * 1e3 / max(run.rounds, 1):.2f} ms each)"
+    if args.compare and run.budget is not None:
+        full = make_run("full", None, args.buffer, None, len(prompt), args.seed)
+        print(divergence(tok, generate(model, [prompt], full, *sampling)[0][0], ids, args.policy))
+    # the first token comes with the prefill: decode speed counts the steps after it
+    tps = f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
+    n_ev, ms = run.evictions, run.evict_s * 1e3
+    ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
-    print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {tps:.1f} tok/s | "
+    print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {tps} tok/s | "
           f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak_memory_mb(model.device):.0f} MB")
 
 

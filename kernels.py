@@ -1,7 +1,7 @@
 """
 Triton kernels for nanokv, each beside a plain-torch reference with the same signature and a dispatcher:
 Triton for CUDA tensors when triton imports, else the reference (the production path on CPU).
-rms_norm and rope run in every layer; window_attn_mass is the scorer that SnapKV, VASE, CriticalKV, R-KV
+linear, rms_norm and rope run in every layer; window_attn_mass is the scorer that SnapKV, VASE, CriticalKV, R-KV
 and H2O share: the softmax attention of a window of queries over the cache, summed per key.
 Left out: backward passes, autotuning, and a fused attention for the forward pass (model.py uses SDPA).
 References: Triton tutorials 02, 05 and 06 (softmax, layer norm, fused attention);
@@ -25,6 +25,24 @@ except ImportError:
 def _jit(fn):
     # triton.jit when triton is installed; without it the kernels are plain functions that are never launched
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The matmul of every layer, x @ w.T for an HF-shaped weight w [out, in]. No Triton here: the dispatch rule is the
+# point. On CPU in fp32 we call numpy's BLAS (OpenBLAS): on the small matrices of a decode step it reads the weights
+# 1.3x (one row) to 2x (4-16 rows) faster than torch's MKL on the AMD CPUs we measured (README, "Decode speed").
+# subtle: only while torch itself runs one thread (generate.cpu_threads). OpenBLAS brings its own thread pool, and
+# two pools busy-waiting on the same cores fight: decode fell from 16 to 3.4 tokens/s when both had 2 threads.
+# model.weight() stores w as the transpose of a contiguous [in, out] buffer, the layout both BLASes read fastest.
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., in] @ w.T -> [..., out]."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.get_num_threads() == 1:
+        # numpy views of both (no copy); one BLAS call for every row of every batch row
+        y = x.numpy().reshape(-1, x.shape[-1]) @ w.numpy().T
+        return torch.from_numpy(y).view(*x.shape[:-1], w.shape[0])
+    return x @ w.T
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -59,7 +77,8 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    # the mean of squares as sum / D: torch's mean costs two more small ops, and decode runs this 2L + 1 times a token
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps)).to(x.dtype) * weight
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -67,14 +86,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# RoPE, HF half-split layout: each program rotates BLOCK_T positions of one (b, h).
-# x is often a strided view of a fused qkv projection, so we take its four strides instead of copying it.
+# RoPE, HF half-split layout: y = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]. We fold the minus
+# into the table, sin = [-s, s], so the reference is one roll and two multiplies: y = x * cos + roll(x, D/2) * sin.
+# cos and sin are [B, T, D] fp32 (each row of a batch has its own positions); the kernel reads their second halves.
+# Each program rotates BLOCK_T positions of one (b, h).
 
 
 @_jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF,
                  stride_xb, stride_xh, stride_xt, stride_xd,
-                 stride_ob, stride_oh, stride_ot, stride_ct,
+                 stride_ob, stride_oh, stride_ot, stride_cb, stride_ct,
                  BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -83,7 +104,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF,
     x1_ptrs = x_ptr + b * stride_xb + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)  # first half of each row
     x2 = tl.load(x1_ptrs + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)  # second half
-    cs_offs = offs_t[:, None] * stride_ct + offs_d[None, :]  # cos and sin share one layout
+    cs_offs = b * stride_cb + offs_t[:, None] * stride_ct + HALF + offs_d[None, :]  # the tables' second halves
     cos = tl.load(cos_ptr + cs_offs, mask=mask, other=1.0)
     sin = tl.load(sin_ptr + cs_offs, mask=mask, other=0.0)
     o1_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :]
@@ -93,19 +114,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF,
 
 def rope_triton(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     B, H, T, D = x.shape
-    assert D % 2 == 0 and cos.shape == sin.shape == (T, D // 2)
+    assert D % 2 == 0 and cos.shape == sin.shape == (B, T, D)
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(-1) == 1
     out = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)  # contiguous, whatever x was
     BLOCK_T = min(32, triton.next_power_of_2(T))  # decode has T=1: don't waste a 32-row tile on it
     grid = (triton.cdiv(T, BLOCK_T), H, B)
-    _rope_kernel[grid](x, cos, sin, out, T, D // 2, *x.stride(), *out.stride()[:3], cos.stride(0),
+    _rope_kernel[grid](x, cos, sin, out, T, D // 2, *x.stride(), *out.stride()[:3], cos.stride(0), cos.stride(1),
                        BLOCK_T=BLOCK_T, BLOCK_HALF=triton.next_power_of_2(D // 2))
     return out
 
 
 def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # [B, H, T, D/2] each; cos, sin [T, D/2] broadcast over B, H
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    xf = x.float()  # [B, H, T, D]; cos, sin [B, T, D] broadcast over the heads
+    return (xf * cos[:, None] + xf.roll(x.shape[-1] // 2, -1) * sin[:, None]).to(x.dtype)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -113,7 +134,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Window attention mass: out[b, h, s] = sum_w softmax_s(q_w . k_s * scale | k_pos <= q_pos)[s].
+# Window attention mass: out[b, h, s] = sum_w softmax_s(q_w . k_s * scale | k_pos <= q_pos)[s], with per-row
+# query positions q_pos [B, W] (-1 = an empty ring slot) and per-head key positions k_pos [B, H_kv, S].
 # One program per (b, h_q) with two passes over S (the online-softmax trick of tutorial 06, then a recompute),
 # so [B, H_q, W, S] never exists in memory. We chose (b, h_q) over (b, h_kv): the GQA group would share each K
 # tile, but the per-head column sums would need a [n_rep, W, S] reshape inside the kernel; the repeated K reads
@@ -124,7 +146,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _window_attn_mass_kernel(q_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, W, S, D, n_rep, scale,
                              stride_qb, stride_qh, stride_qw, stride_qd,
                              stride_kb, stride_kh, stride_ks, stride_kd,
-                             stride_pb, stride_ph, stride_ps, stride_qpos,
+                             stride_pb, stride_ph, stride_ps, stride_qpb, stride_qpw,
                              stride_ob, stride_oh,
                              BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
@@ -136,7 +158,7 @@ def _window_attn_mass_kernel(q_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, W, S, D,
     q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_w[:, None] * stride_qw + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(offs_w < W)[:, None] & (offs_d < D)[None, :], other=0.0)
     # padded rows read -1, the same "empty ring slot" marker the cache uses, so they never attend
-    q_pos = tl.load(qpos_ptr + offs_w * stride_qpos, mask=offs_w < W, other=-1)
+    q_pos = tl.load(qpos_ptr + b * stride_qpb + offs_w * stride_qpw, mask=offs_w < W, other=-1)
     k_base = k_ptr + b * stride_kb + h_kv * stride_kh
     p_base = kpos_ptr + b * stride_pb + h_kv * stride_ph
 
@@ -183,17 +205,17 @@ def window_attn_mass_triton(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, 
     B, H_q, W, D = q.shape
     _, H_kv, S, _ = k.shape
     assert k.shape == (B, H_kv, S, D) and H_q % H_kv == 0 and q.dtype == k.dtype
-    assert q_pos.shape == (W,) and k_pos.shape == (B, H_kv, S)
+    assert q_pos.shape == (B, W) and k_pos.shape == (B, H_kv, S)
     assert q_pos.dtype == k_pos.dtype == torch.int64
     out = torch.zeros((B, H_q, S), dtype=torch.float32, device=q.device)  # zeros: the kernel adds into it
     # tl.dot needs every block dim >= 16; 128 queries per launch bounds the registers a program holds
     CHUNK_W = 128
     BLOCK_D = max(16, triton.next_power_of_2(D))
     for w0 in range(0, W, CHUNK_W):
-        qc, pc = q[:, :, w0:w0 + CHUNK_W], q_pos[w0:w0 + CHUNK_W]  # views: strides carry the offset
+        qc, pc = q[:, :, w0:w0 + CHUNK_W], q_pos[:, w0:w0 + CHUNK_W]  # views: strides carry the offset
         BLOCK_W = max(16, triton.next_power_of_2(qc.shape[2]))
         _window_attn_mass_kernel[(B, H_q)](qc, k, pc, k_pos, out, qc.shape[2], S, D, H_q // H_kv, scale,
-                                           *qc.stride(), *k.stride(), *k_pos.stride(), pc.stride(0),
+                                           *qc.stride(), *k.stride(), *k_pos.stride(), *pc.stride(),
                                            out.stride(0), out.stride(1),
                                            BLOCK_W=BLOCK_W, BLOCK_S=64, BLOCK_D=BLOCK_D)
     return out
@@ -210,11 +232,12 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
     # query chunks bound the [B, H_kv, n_rep, chunk, S] logits to ~16 MB when H2O feeds a whole prefill chunk
     chunk = max(1, 2**22 // (B * H_q * S))
     for w0 in range(0, W, chunk):
-        qc, pc = qg[:, :, :, w0:w0 + chunk], q_pos[w0:w0 + chunk]
+        qc, pc = qg[:, :, :, w0:w0 + chunk], q_pos[:, w0:w0 + chunk]  # pc [B, Wc]
         Wc = qc.shape[3]
         logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt).view(B, H_kv, n_rep, Wc, S)
         # causal by token position, not by slot; one mask broadcast over the group: [B, H_kv, 1, Wc, S]
-        masked = (k_pos[:, :, None, None, :] > pc[:, None]) | (pc < 0)[:, None]
+        pc = pc[:, None, None, :, None]  # [B, 1, 1, Wc, 1]
+        masked = (k_pos[:, :, None, None, :] > pc) | (pc < 0)
         # subtle: the most negative float, not -inf, so a query with no valid key gets a uniform row and no NaN;
         # any valid key still pushes the masked ones to exp(-huge) = 0
         probs = torch.softmax(logits.masked_fill_(masked, torch.finfo(torch.float32).min), dim=-1)

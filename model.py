@@ -1,11 +1,13 @@
 """
 A from-scratch Llama / Mistral / Qwen2 / Qwen3 forward pass, safetensors loading, and the tokenizer with
-its chat template. Each forward runs a chunk of tokens (a prompt, a replayed chunk, one decode step),
-reading and writing the flat KV cache of cache.py.
+its chat template. Each forward runs a chunk of tokens for every row of a batch (a prompt, a replayed chunk,
+one decode step), reading and writing the flat KV cache of cache.py; rows may differ in length and position.
 
-Deliberately left out: training, dropout, sliding-window attention (we refuse sequences past the window),
-rope scaling other than Llama-3's, MoE. References: Llama (https://arxiv.org/abs/2302.13971), the HF
-`modeling_llama.py` key names, gpt-fast and nano-vllm for the shape of a small inference model.
+Reads config.json in both the transformers 4 layout (top-level rope_theta / rope_scaling) and the
+transformers 5 one (rope_parameters, layer_types). RoPE types: default, linear, llama3, yarn; sliding-window
+layers (Mistral, Qwen2/3) mask by token position. Left out: training, dropout, dynamic-NTK RoPE (refused), MoE.
+References: Llama (https://arxiv.org/abs/2302.13971), the HF `modeling_llama.py` key names and
+`modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071), gpt-fast and nano-vllm.
 """
 
 import json
@@ -17,14 +19,30 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
-from kernels import rms_norm, rope
+from kernels import linear, rms_norm, rope
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_FIELDS = {  # what each supported RoPE type needs from the config (HF modeling_rope_utils)
+    "default": (), "linear": ("factor",), "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 class ModelError(Exception):
     """A user-facing problem with a model directory: the message names it and the fix."""
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from path, or a one-line ModelError naming the file."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path} is not valid JSON ({e}): re-download or re-convert the model") from None
+    if not isinstance(obj, dict):
+        raise ModelError(f"{path} holds a JSON {type(obj).__name__}, not an object: re-download the model")
+    return obj
 
 
 # -----------------------------------------------------------------------------
@@ -43,8 +61,10 @@ class ModelConfig:
     head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # only Llama-3's {"rope_type": "llama3", ...}
-    max_position_embeddings: int = 8192  # the longest sequence we accept (lowered to a sliding window, if any)
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "yarn", ...}; None = default RoPE
+    max_position_embeddings: int = 8192  # the longest sequence we accept
+    sliding_window: int = 0  # W: a sliding layer's query at q sees keys q - W < k <= q (0 = none)
+    layer_types: list[str] = field(default_factory=list)  # per layer "full_attention" or "sliding_attention"
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
@@ -52,58 +72,135 @@ class ModelConfig:
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs H_q divisible by H_kv"
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}: GQA needs whole groups")
         self.n_rep = self.num_attention_heads // self.num_key_value_heads  # query heads per KV head
+        self.layer_types = self.layer_types or ["full_attention"] * self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, path: str | Path) -> "ModelConfig":
-        """Read a Hugging Face config.json (a file or the directory holding it)."""
+        """Read a Hugging Face config.json (a file or the directory holding it), transformers 4 or 5 layout."""
         path = Path(path)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ModelError(f"no config.json in {path.parent}: pass --model a Hugging Face model directory")
-        c = json.loads(path.read_text())
+        c = read_json(path)
         mt = c.get("model_type")
         if mt not in SUPPORTED:
             raise ModelError(f"unsupported model_type {mt!r} in {path}: nanokv supports {', '.join(SUPPORTED)}")
-        scaling = c.get("rope_scaling")
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise ModelError(f"unsupported rope_scaling type {kind!r} in {path}: only 'llama3' is implemented")
-        max_pos = c.get("max_position_embeddings", 8192)
-        # note: we attend over the whole cache, so a sliding window caps the length we can serve exactly
-        window = c.get("sliding_window") if c.get("use_sliding_window", mt == "mistral") else None
-        eos = c.get("eos_token_id")
         fields = cls.__dataclass_fields__
         kw = {k: v for k, v in c.items() if k in fields and v is not None}
+        for k, v in kw.items():  # numbers must be numbers: a string here would fail far from its cause
+            want = fields[k].type
+            if want in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                         or want is int and v != int(v)):
+                raise ModelError(f"{path}: {k} is {v!r}, expected {'an integer' if want is int else 'a number'}")
+        theta, scaling = rope_settings(c, path)
+        eos = c.get("eos_token_id")
         kw.update(
-            model_type=mt,
-            rope_scaling=scaling if kind == "llama3" else None,
-            max_position_embeddings=min(max_pos, window or max_pos),
-            qkv_bias=mt == "qwen2" or bool(c.get("attention_bias", False)),
-            qk_norm=mt == "qwen3",
+            model_type=mt, rope_theta=theta, rope_scaling=scaling,
+            qkv_bias=mt == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=mt == "qwen3",
             eos_token_id=eos if isinstance(eos, list) else [] if eos is None else [eos],
+            **sliding_settings(c, mt, path),
         )
         return cls(**kw)
 
 
-def rope_cos_sin(cfg: ModelConfig, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, D/2] in fp32 for the token positions pos [T] (HF half-split layout)."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=pos.device, dtype=torch.float64) / D)
-    if cfg.rope_scaling:  # Llama-3: stretch low frequencies by `factor`, keep high ones, blend in between
-        s = cfg.rope_scaling
+def rope_settings(c: dict, path: Path) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or transformers 4's top-level keys."""
+    rp = c.get("rope_parameters")  # transformers 5: {"rope_type": ..., "rope_theta": ..., scaling fields}
+    if rp is not None and (not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values())):
+        raise ModelError(f"{path}: rope_parameters must be one dict of RoPE settings (per-layer-type RoPE, as in "
+                         "Gemma 3, is not supported)")
+    s = dict(rp if rp is not None else c.get("rope_scaling") or {})
+    theta = s.pop("rope_theta", c.get("rope_theta", 10000.0))
+    kind = s.pop("rope_type", s.pop("type", "default"))
+    if kind == "dynamic":
+        raise ModelError(f"{path}: dynamic-NTK RoPE re-rotates every position as the sequence grows, which "
+                         "post-RoPE cached keys cannot follow: nanokv refuses it (use a default/yarn config)")
+    if kind not in ROPE_FIELDS:
+        raise ModelError(f"{path}: unsupported RoPE type {kind!r}: nanokv implements {', '.join(ROPE_FIELDS)}")
+    missing = [f for f in ROPE_FIELDS[kind] if not isinstance(s.get(f), (int, float))]
+    if missing or not isinstance(theta, (int, float)):
+        raise ModelError(f"{path}: RoPE type {kind!r} needs numeric {', '.join(missing or ['rope_theta'])}")
+    return float(theta), None if kind == "default" else {"rope_type": kind, **s}
+
+
+def sliding_settings(c: dict, mt: str, path: Path) -> dict:
+    """sliding_window and the per-layer types, as transformers decides them: Mistral slides every layer when
+    sliding_window is set; Qwen2/3 only with use_sliding_window, from layer max_window_layers on; an explicit
+    layer_types (transformers 5) wins."""
+    L = c.get("num_hidden_layers", ModelConfig.num_hidden_layers)
+    window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
+    types = c.get("layer_types")
+    if types is None:
+        first = c.get("max_window_layers", 0) if mt in ("qwen2", "qwen3") else 0
+        types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(L)]
+    if not isinstance(types, list) or len(types) != L:
+        raise ModelError(f"{path}: layer_types must list one type for each of the {L} layers")
+    bad = set(types) - {"full_attention", "sliding_attention"}
+    if bad:
+        raise ModelError(f"{path}: unsupported layer type {sorted(bad)[0]!r}: nanokv runs full_attention and "
+                         "sliding_attention layers")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        types = ["full_attention"] * L  # transformers too: without a window size a sliding layer sees everything
+    return {"sliding_window": window or 0, "layer_types": types}
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """inv_freq [D/2] (fp64) and the attention scaling that multiplies cos and sin, for cfg's RoPE type.
+    The formulas are transformers' modeling_rope_utils (HF half-split layout)."""
+    D, theta = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    s = cfg.rope_scaling or {"rope_type": "default"}
+    kind = s["rope_type"]
+    if kind == "linear":  # position interpolation: every frequency slowed by `factor`
+        return inv_freq / s["factor"], 1.0
+    if kind == "llama3":  # stretch low frequencies by `factor`, keep high ones, blend in between
         old = s["original_max_position_embeddings"]
         lo, hi, factor = s["low_freq_factor"], s["high_freq_factor"], s["factor"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0 = long wavelength, 1 = short
-        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    angles = pos.double()[:, None] * inv_freq[None, :]  # [T, D/2]; fp64 so position 100k stays exact
-    return angles.cos().float(), angles.sin().float()
+        smooth = ((old * inv_freq / (2 * math.pi) - lo) / (hi - lo)).clamp(0, 1)  # 0 = long wavelength
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    if kind == "yarn":  # interpolate the dimensions that rotate fewer than beta_slow times over the old context,
+        # keep those that rotate more than beta_fast times, ramp linearly in between; then sharpen attention
+        factor = s["factor"]
+        old = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+        dim = lambda rotations: D * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = dim(fast), dim(slow)
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, D - 1)
+        ramp = ((torch.arange(D // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+        mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1
+        scale = s.get("attention_factor") or (mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
+                                              if s.get("mscale") and s.get("mscale_all_dim") else mscale())
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(scale)
+    return inv_freq, 1.0
+
+
+def rope_cos_sin(inv_freq: Tensor, scale: float, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """The RoPE tables for the token positions pos [B, T]: cos = [c, c] and sin = [-s, s], [B, T, D] fp32, so that
+    rope(x) = x * cos + roll(x, D/2) * sin is HF's x * cos + rotate_half(x) * sin (kernels.rope)."""
+    angles = pos.double()[..., None] * inv_freq  # fp64 so that position 100k stays exact
+    c, s = (angles.cos() * scale).float(), (angles.sin() * scale).float()
+    return torch.cat([c, c], -1), torch.cat([-s, s], -1)
 
 
 # -----------------------------------------------------------------------------
 # modules: names follow the HF safetensors keys, so loading is one loop
+
+
+def weight(rows: int, cols: int, device="cpu", dtype=torch.float32) -> Tensor:
+    """An HF-shaped [rows, cols] weight, i.e. [out, in]. The one layout rule: on CPU we store it transposed,
+    as a contiguous [in, out] buffer seen through a transposed view, because torch's matrix-vector product reads
+    that layout faster than [out, in] (decode is a matrix-vector product per weight). The view keeps HF's names
+    and shapes for loading; kernels.linear computes x @ w.T, which is x @ buffer. CUDA's GEMMs take either layout
+    at full speed, so there we keep [out, in]."""
+    if torch.device(device).type == "cpu":
+        return torch.empty(cols, rows, device=device, dtype=dtype).T
+    return torch.empty(rows, cols, device=device, dtype=dtype)
 
 
 class Linear(nn.Module):
@@ -118,12 +215,10 @@ class Linear(nn.Module):
 def fused(rows: list[int], cols: int, bias: bool, **kw) -> tuple[Tensor, Tensor | None, list[Linear]]:
     """One [sum(rows), cols] weight whose row blocks are the HF-named Linear weights (views, no copy).
     e.g. q/k/v: decode then does one matmul instead of three; loading still copies by name."""
-    w = torch.empty(sum(rows), cols, **kw)
+    w = weight(sum(rows), cols, **kw)
     b = torch.zeros(sum(rows), **kw) if bias else None
-    parts = [
-        Linear(w[o : o + n], None if b is None else b[o : o + n])
-        for o, n in zip([sum(rows[:i]) for i in range(len(rows))], rows)
-    ]
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    parts = [Linear(w[o : o + n], None if b is None else b[o : o + n]) for o, n in zip(starts, rows)]
     return w, b, parts
 
 
@@ -137,59 +232,72 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def eager_attention(q: Tensor, keys: Tensor, values: Tensor, S0: int) -> Tensor:
-    """The attention math written out: fp32 scores, causal mask, softmax, @ V. The reference SDPA must match,
-    and the memory wall of methods that need the weights: q [B, H_q, T, D], keys/values [B, H_kv, S, D]."""
+def attention_mask(k_pos: Tensor, q_pos: Tensor, window: int = 0) -> Tensor:
+    """[B, H_kv, T, S] True where a query may read a slot: keys at or before its position (free slots sit at
+    cache.FREE, after every query) and, on a sliding-window layer, less than `window` positions back.
+    k_pos [B, H_kv, S] per head (heads keep different positions), q_pos [B, T]."""
+    k, q = k_pos[:, :, None, :], q_pos[:, None, :, None]
+    mask = k <= q
+    return mask & (k > q - window) if window else mask
+
+
+def eager_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """The attention math written out: fp32 scores, mask, softmax, @ V. The reference SDPA must match, and
+    the memory wall of methods that need the weights: q [B, H_q, T, D], keys/values [B, H_kv, S, D]."""
     n_rep = q.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(n_rep, 1).float(), values.repeat_interleave(n_rep, 1).float()
     att = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H_q, T, S]
-    T, S = att.shape[-2:]
-    causal = torch.arange(S, device=q.device)[None, :] <= torch.arange(S0, S0 + T, device=q.device)[:, None]
-    return (att.masked_fill(~causal, -math.inf).softmax(-1) @ v).to(q.dtype)
+    if mask is not None:
+        att = att.masked_fill(~mask.repeat_interleave(n_rep, 1), -math.inf)
+    return (att.softmax(-1) @ v).to(q.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, layer: int, **kw):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer = cfg, layer
+        self.window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else 0
         self.eager = False  # set by Transformer.eager
         H_q, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.wqkv, self.bqkv, (self.q_proj, self.k_proj, self.v_proj) = fused(
             [H_q * D, H_kv * D, H_kv * D], cfg.hidden_size, cfg.qkv_bias, **kw
         )
-        self.o_proj = Linear(torch.empty(cfg.hidden_size, H_q * D, **kw))
+        self.o_proj = Linear(weight(cfg.hidden_size, H_q * D, **kw))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **kw)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, layer: int) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, chunk) -> tuple[Tensor, Tensor]:
         cfg = self.cfg
         B, T, _ = x.shape
         H_q, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = F.linear(x, self.wqkv, self.bqkv).view(B, T, H_q + 2 * H_kv, D)
-        qk, v = qkv[:, :, : H_q + H_kv], qkv[:, :, H_q + H_kv :].transpose(1, 2)  # v: [B, H_kv, T, D]
+        qkv = linear(x, self.wqkv)  # [B, T, (H_q + 2 H_kv) D]
+        qkv = (qkv if self.bqkv is None else qkv + self.bqkv).view(B, T, H_q + 2 * H_kv, D).transpose(1, 2)
+        qk, v = qkv[:, : H_q + H_kv], qkv[:, H_q + H_kv :]  # [B, H_q + H_kv, T, D], [B, H_kv, T, D]
         if cfg.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, :, :H_q]), self.k_norm(qk[:, :, H_q:])], dim=2)
+            qk = torch.cat([self.q_norm(qk[:, :H_q]), self.k_norm(qk[:, H_q:])], dim=1)
         # q and k rotate together in one call; keys are cached *after* RoPE so eviction never re-rotates
-        qk = rope(qk.transpose(1, 2), cos, sin)  # [B, H_q + H_kv, T, D]
-        q, k = qk[:, :H_q], qk[:, H_q:]
-        S0 = cache.length[layer]
-        keys, values = cache.append(layer, k, v, q)  # [B, H_kv, S, D], S = S0 + T
-        if self.eager:  # the materialised [B, H_q, T, S] matrix attention-weight methods need (bench --eager)
-            y = eager_attention(q, keys, values, S0)
-        elif S0 == 0 and T > 1:  # prefill into an empty cache: plain causal attention (FlashAttention on CUDA)
-            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        q, k = rope(qk, cos, sin).split([H_q, H_kv], dim=1)  # [B, H_q, T, D], [B, H_kv, T, D]
+        keys, values = cache.append(self.layer, k, v, q, chunk)  # [B, H_kv, S, D]
+        window = self.window if chunk.end > self.window else 0  # the window binds once a query is W past 0
+        if chunk.start is not None and T > 1 and not window and not self.eager:
+            # every row alike: the held slots are all older than the chunk, which is causal among itself, i.e. a
+            # causal mask aligned to the bottom right; SDPA takes it without building it (FlashAttention on CUDA)
+            causal = dict(is_causal=True) if chunk.start == 0 else dict(attn_mask=causal_lower_right(T, keys.shape[2]))
+            y = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
         else:
-            # subtle: stack each KV head's group of query heads along the query axis, so SDPA reads every
-            # cached key once per group instead of us repeating K/V n_rep times.
-            qg = q.reshape(B, H_kv, cfg.n_rep * T, D)
-            mask = None
-            if T > 1:  # a chunk after cached slots: old slots are all earlier, new ones causal among themselves
-                S = keys.shape[2]
-                mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(S0, S, device=x.device)[:, None]
-                mask = mask.repeat(cfg.n_rep, 1)  # [n_rep * T, S]
-            y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask).view(B, H_q, T, D)
-        y = F.linear(y.transpose(1, 2).reshape(B, T, H_q * D), self.o_proj.weight)
+            # in a decode step of equally long rows every query reads every held slot; else mask by position
+            plain = T == 1 and chunk.start is not None and not window
+            mask = None if plain else attention_mask(cache.pos[self.layer, :, :, : keys.shape[2]], chunk.pos, window)
+            if self.eager:  # the materialised [B, H_q, T, S] matrix attention-weight methods need (bench --eager)
+                y = eager_attention(q, keys, values, mask)
+            else:
+                # subtle: stack each KV head's group of query heads along the query axis, so SDPA reads every
+                # cached key once per group instead of us repeating K/V n_rep times
+                qg = q.reshape(B, H_kv, cfg.n_rep * T, D)
+                mask = None if mask is None else mask.repeat(1, 1, cfg.n_rep, 1)  # [B, H_kv, n_rep * T, S]
+                y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask).view(B, H_q, T, D)
+        y = linear(y.transpose(1, 2).reshape(B, T, H_q * D), self.o_proj.weight)
         return y, q
 
 
@@ -198,18 +306,18 @@ class MLP(nn.Module):
         super().__init__()
         I = cfg.intermediate_size
         self.w13, _, (self.gate_proj, self.up_proj) = fused([I, I], cfg.hidden_size, False, **kw)
-        self.down_proj = Linear(torch.empty(cfg.hidden_size, I, **kw))
+        self.down_proj = Linear(weight(cfg.hidden_size, I, **kw))
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)  # SwiGLU
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = linear(x, self.w13).chunk(2, dim=-1)  # SwiGLU
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, layer: int, **kw):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, **kw)
+        self.self_attn = Attention(cfg, layer, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, **kw)
 
@@ -217,14 +325,18 @@ class Block(nn.Module):
 class Inner(nn.Module):  # the HF "model." prefix
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw).requires_grad_(False)
-        self.layers = nn.ModuleList([Block(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        # tied: the table is also the LM head's weight, so it takes the matmul layout (a lookup reads either)
+        table = weight(cfg.vocab_size, cfg.hidden_size, **kw) if cfg.tie_word_embeddings else \
+            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
+        self.layers = nn.ModuleList([Block(cfg, i, **kw) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
 
 @dataclass
 class Output:
-    logits: Tensor  # [B, T, V] (or [B, 1, V] for the last position only)
+    logits: Tensor  # [B, T, V], or [B, 1, V]: each row's last real position
+    chunk: object  # the cache.Chunk this forward filled: real tokens per row, positions
     hidden: list[Tensor] | None = None  # per layer, its output residual stream [B, T, hidden]
     queries: list[Tensor] | None = None  # per layer, the post-RoPE queries [B, H_q, T, D]
 
@@ -235,7 +347,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         kw = dict(device=device, dtype=dtype)
         self.model = Inner(cfg, **kw)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(weight(cfg.vocab_size, cfg.hidden_size, **kw))
+        inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self.inv_freq = inv_freq.to(device)  # fp64, not a parameter: derived from the config, never loaded
 
     @property
     def eager(self) -> bool:
@@ -250,26 +364,30 @@ class Transformer(nn.Module):
     def device(self):
         return self.model.embed_tokens.weight.device
 
-    def forward(self, tokens: Tensor, cache, all_logits: bool = False, collect: bool = False) -> Output:
-        """Run tokens [B, T] at positions cache.next_pos ... + T - 1, appending their K/V to the cache.
-        all_logits=False returns only the last position's logits (a long prefill never builds [T, V]).
-        collect=True also hands back each layer's hidden state and queries, for the scorers."""
-        T = tokens.shape[1]
-        pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device)
-        cos, sin = rope_cos_sin(self.cfg, pos)  # once per forward, shared by every layer
+    def forward(self, tokens: Tensor, cache, n: list[int] | None = None, all_logits: bool = False,
+                collect: bool = False) -> Output:
+        """Run tokens [B, T] at each row's next positions, appending their K/V to the cache. Row b takes its
+        first n[b] tokens (default all T); the rest of its columns is padding, computed and dropped.
+        all_logits=False returns only each row's last real position's logits (a long prefill never builds
+        [T, V]). collect=True also hands back each layer's hidden state and queries, for the scorers."""
+        B, T = tokens.shape
+        chunk = cache.chunk(T, n)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, chunk.pos)  # once per forward, for every layer
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         hidden, queries = ([], []) if collect else (None, None)
-        for i, blk in enumerate(self.model.layers):
-            a, q = blk.self_attn(blk.input_layernorm(x), cos, sin, cache, i)
+        for blk in self.model.layers:
+            a, q = blk.self_attn(blk.input_layernorm(x), cos, sin, cache, chunk)
             x = x + a
             x = x + blk.mlp(blk.post_attention_layernorm(x))
             if collect:
                 hidden.append(x)
                 queries.append(q)
-        cache.advance(T)
-        x = self.model.norm(x if all_logits else x[:, -1:])
+        cache.advance(chunk)
+        if not all_logits:  # each row's last real token (padding columns sit after it)
+            x = x[:, -1:] if chunk.start is not None else x[torch.arange(B), chunk.last][:, None]
+        x = self.model.norm(x)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return Output(F.linear(x, w).float(), hidden, queries)
+        return Output(linear(x, w).float(), chunk, hidden, queries)
 
 
 # -----------------------------------------------------------------------------
@@ -285,7 +403,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transform
         raise ModelError(f"model directory {path} does not exist: pass --model a Hugging Face model directory")
     cfg = ModelConfig.from_hf(path)
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else []
+    files = sorted(set(read_json(index).get("weight_map", {}).values())) if index.exists() else []
     files = [path / f for f in files] or sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no *.safetensors weights in {path}: convert the checkpoint to safetensors first")
@@ -325,9 +443,13 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ModelError(f"no tokenizer.json in {path}: nanokv needs a Hugging Face fast tokenizer")
-        self.tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            self.tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ModelError(f"{path / 'tokenizer.json'} cannot be read ({str(e).splitlines()[0]}): "
+                             "re-download or re-convert the model") from None
         tc = path / "tokenizer_config.json"
-        self.config = json.loads(tc.read_text()) if tc.exists() else {}
+        self.config = read_json(tc) if tc.exists() else {}
         template = self.config.get("chat_template")
         if (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
@@ -336,7 +458,7 @@ class Tokenizer:
         self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
         cfg = ModelConfig.from_hf(path)
         gen = path / "generation_config.json"
-        extra = json.loads(gen.read_text()).get("eos_token_id", []) if gen.exists() else []
+        extra = read_json(gen).get("eos_token_id", []) if gen.exists() else []
         eos = set(cfg.eos_token_id) | set(extra if isinstance(extra, list) else [extra])
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))

@@ -26,20 +26,22 @@ BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for p
 
 @dataclass
 class ScoreCtx:
+    """What a scorer sees of one layer of one batch row (eviction scores the rows one at a time, so B = 1)."""
+
     layer: int
-    keys: Tensor  # [B, H_kv, S, D] post-RoPE
+    keys: Tensor  # [B, H_kv, S, D] post-RoPE; S = K + r
     values: Tensor  # [B, H_kv, S, D]
     pos: Tensor  # [B, H_kv, S] original token position of each slot
     protected: Tensor  # [B, H_kv, S] bool: slots cache.evict will keep whatever we say (prompt/sinks, recent)
     queries: Tensor  # [B, H_q, w, D] the ring of the last w post-RoPE queries
-    q_pos: Tensor  # [w] their positions, -1 = empty
+    q_pos: Tensor  # [B, w] their positions, -1 = empty
     wo: Tensor  # [hidden, H_q * D] this layer's o_proj weight
     side: dict  # per-slot side state, name -> [B, H_kv, S]
     all_kv: tuple  # (k, v) of every layer, [L, B, H_kv, S, D]; for scorers that pool over layers
     cfg: object  # ModelConfig
     budget: int  # K: slots held right after an eviction, recent buffer included
-    buffer: int  # r
-    generator: torch.Generator  # seeded by (seed, layer, eviction round)
+    buffer: int  # r: the newest slots, never evicted; the candidates are the other S - r
+    generator: torch.Generator  # seeded by (seed, row, layer, eviction round)
     fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset)
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
 
@@ -48,15 +50,22 @@ class ScoreCtx:
 # shared helpers (one place for each idea)
 
 
-def window_attention(ctx: ScoreCtx, w: int | None = None) -> Tensor:
-    """Mean softmax attention each key gets from the last w queries of the ring (all of it by default).
-    Returns [B, H_q, S]. Each query is normalised over every key it attends to (causal by position)."""
+def newest_queries(ctx: ScoreCtx, w: int | None) -> tuple[Tensor, Tensor]:
+    """The w newest queries of the ring [B, H_q, w, D] and their positions [B, w] (all of the ring for None)."""
     q, q_pos = ctx.queries, ctx.q_pos
-    if w is not None and w < q_pos.shape[0]:  # the ring is unordered: take the w newest positions
-        newest = q_pos.topk(w).indices
-        q, q_pos = q[:, :, newest], q_pos[newest]
-    mass = window_attn_mass(q, ctx.keys, q_pos, ctx.pos, 1.0 / math.sqrt(ctx.keys.shape[-1]))
-    return mass / (q_pos >= 0).sum().clamp(min=1)
+    if w is None or w >= q_pos.shape[1]:
+        return q, q_pos
+    newest = q_pos.topk(w, dim=-1).indices  # [B, w]: the ring is unordered, position % w
+    return q.gather(2, newest[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])), q_pos.gather(1, newest)
+
+
+def window_attention(ctx: ScoreCtx, n_keys: int | None = None) -> Tensor:
+    """Mean softmax attention that each of the first n_keys held keys (default all) gets from the ring's queries,
+    each query normalised over those keys it may see (causal by position). Returns [B, H_q, n_keys]."""
+    q, q_pos = newest_queries(ctx, None)
+    keys, pos = ctx.keys[:, :, :n_keys], ctx.pos[:, :, :n_keys]
+    mass = window_attn_mass(q, keys, q_pos, pos, 1.0 / math.sqrt(keys.shape[-1]))
+    return mass / (q_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
 
 
 def group_mean(x: Tensor, n_rep: int) -> Tensor:
@@ -65,16 +74,21 @@ def group_mean(x: Tensor, n_rep: int) -> Tensor:
     return x.view(B, H_q // n_rep, n_rep, S).mean(2)
 
 
-def snapkv_attention(ctx: ScoreCtx) -> Tensor:
-    """SnapKV's vote: window attention, avg-pooled over 5 neighbouring keys, GQA mean -> [B, H_kv, S]."""
-    a = F.avg_pool1d(window_attention(ctx), kernel_size=5, stride=1, padding=2)
-    return group_mean(a, ctx.cfg.n_rep)
+def snapkv_attention(ctx: ScoreCtx, buffer_in_softmax: bool = True) -> Tensor:
+    """SnapKV's vote [B, H_kv, S]: the window's attention (the window is the recent buffer), its own columns
+    dropped, then avg-pooled over 5 neighbouring candidates, zero-padded at the edge (count_include_pad, as in
+    SnapKV's and kvpress's code), mean over the GQA group. Each query's softmax runs over every held key, or, with
+    buffer_in_softmax=False, over the candidates only (VASE's weights). The buffer scores 0: it is kept anyway."""
+    n = ctx.keys.shape[2] - ctx.buffer  # candidates
+    a = window_attention(ctx, None if buffer_in_softmax else n)[..., :n]
+    a = F.avg_pool1d(a, kernel_size=5, stride=1, padding=2)
+    return F.pad(group_mean(a, ctx.cfg.n_rep), (0, ctx.buffer))
 
 
 def top_candidates(x: Tensor, protected: Tensor, n: int) -> Tensor:
     """Bool mask [B, H_kv, S] of the n highest x among unprotected slots."""
     x = x.masked_fill(protected, -math.inf)
-    n = min(n, x.shape[-1])
+    n = max(0, min(n, x.shape[-1]))
     return torch.zeros_like(protected).scatter_(-1, x.topk(n, dim=-1).indices, True) & ~protected
 
 
@@ -104,33 +118,44 @@ def h2o(ctx: ScoreCtx) -> Tensor:
     return ctx.side["h2o"]
 
 
-def h2o_observe(cache, out, state):
+def h2o_observe(cache, out, run):
     """After each forward: add the new queries' attention to every held key (one q.K^T, never n x n).
-    Every layer holds the same number of slots, so all layers go through one batched call."""
+    All layers and rows go through one batched call: free slots sit at position FREE, after every query, and a
+    padding column's query is marked empty (-1), so neither gets or gives any attention."""
     L, B, H_kv = cache.k.shape[:3]
-    S = cache.length[0]
+    S, chunk = max(cache.length), out.chunk
     q = torch.stack(out.queries).flatten(0, 1)  # [L * B, H_q, T, D]
     T, D = q.shape[-2:]
-    q_pos = torch.arange(cache.next_pos - T, cache.next_pos, device=q.device)
+    real = torch.arange(T, device=q.device) < torch.tensor(chunk.n, device=q.device)[:, None]  # [B, T]
+    q_pos = chunk.pos.masked_fill(~real, -1).repeat(L, 1)  # [L * B, T]
     keys, pos = cache.k[:, :, :, :S].flatten(0, 1), cache.pos[:, :, :, :S].flatten(0, 1)  # [L * B, H_kv, S(, D)]
     mass = window_attn_mass(q, keys, q_pos, pos, 1.0 / math.sqrt(D))  # [L * B, H_q, S]
     cache.side["h2o"][:, :, :, :S] += mass.view(L, B, H_kv, -1, S).sum(3)  # summed over each GQA group
 
 
-def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5) -> Tensor:
-    """R-KV (https://arxiv.org/abs/2505.24133): important and not redundant. lam * attention (last 8 queries,
-    max-pooled over 7 keys) - (1 - lam) * redundancy (a key's mean cosine similarity to the others, softmax
-    over S). note: the similarity is S x S over the *cached* keys, bounded by K + r, never the sequence."""
-    attn = group_mean(F.max_pool1d(window_attention(ctx, w=8), kernel_size=7, stride=1, padding=3), ctx.cfg.n_rep)
+def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8) -> Tensor:
+    """R-KV (https://arxiv.org/abs/2505.24133): important and not redundant, lam * attention - (1 - lam) * redundancy,
+    as R-KV's code computes them. attention: the last 8 queries' logits over the held keys but the window's own,
+    the GQA group's logits combined by a max *before* the softmax, mean over the 8, max-pooled over 7 keys.
+    redundancy: each key's mean cosine similarity to the others, softmax over keys. λ = 0.1 as in R-KV's README
+    (their code defaults to 0.07). note: the similarity is S x S over the *cached* keys, bounded by K + r."""
+    B, H_kv, S, D = ctx.keys.shape
+    n = S - window
+    q, q_pos = newest_queries(ctx, window)  # [B, H_q, w, D], [B, w]
+    k = ctx.keys[:, :, :n].float()
+    logits = q.float().unflatten(1, (H_kv, -1)) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # [B, H_kv, n_rep, w, n]
+    future = ctx.pos[:, :, None, None, :n] > q_pos[:, None, None, :, None]  # causal by position
+    attn = logits.masked_fill(future, -math.inf).amax(2).softmax(-1).nan_to_num().mean(-2)  # [B, H_kv, n]
+    attn = F.pad(F.max_pool1d(attn, kernel_size=7, stride=1, padding=3), (0, window))
     k = F.normalize(ctx.keys.float(), dim=-1)
     sim = k @ k.transpose(-1, -2)  # [B, H_kv, S, S] cosine similarity of every pair of cached keys
     sim.diagonal(dim1=-2, dim2=-1).fill_(0.0)  # a key is not its own look-alike
-    # subtle: a key's newest look-alike (similarity > threshold) is not counted as redundant, so the latest copy
-    # of a repeated passage survives while older copies are penalised. newest = 1 + index of that key, 0 = none.
-    S = sim.shape[-1]
+    # subtle: in each key's row, the entry of its newest look-alike (similarity > threshold) is zeroed, so the
+    # latest copy of a repeated passage is penalised least. As in R-KV's code, a key with no look-alike zeroes its
+    # entry for key 0 instead. newest = 1 + index of that look-alike, 0 = none.
     newest = ((sim > threshold) * torch.arange(1, S + 1, device=sim.device, dtype=torch.int32)).amax(-1)
     j = (newest.long() - 1).clamp(min=0)  # [B, H_kv, S]
-    spared = sim.gather(-1, j[..., None])[..., 0] * (newest > 0)  # sim[i, newest(i)], taken back out below
+    spared = sim.gather(-1, j[..., None])[..., 0]  # sim[i, j(i)], taken back out of column j(i) below
     redundancy = (sim.sum(-2).scatter_add(-1, j, -spared) / S).softmax(-1)  # mean over rows, [B, H_kv, S]
     return lam * attn - (1 - lam) * redundancy
 
@@ -140,14 +165,27 @@ def random_(ctx: ScoreCtx) -> Tensor:
     return torch.rand(ctx.pos.shape, generator=ctx.generator, device=ctx.pos.device)
 
 
-def vase(ctx: ScoreCtx) -> Tensor:
-    """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 tokens whose values have the largest
-    range max(v) - min(v); draw the rest without replacement with probability proportional to SnapKV attention
-    (temperature 1)."""
+def candidate_attention(ctx: ScoreCtx) -> Tensor:
+    """VASE's sampling weights: SnapKV's vote with each query normalised over the candidates only."""
+    return snapkv_attention(ctx, buffer_in_softmax=False)
+
+
+def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate_attention) -> Tensor:
+    """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 slots whose values have the widest range
+    max(v) - min(v), the protected sinks counted inside the reserve (the authors give them an infinite range); fill
+    the rest by drawing without replacement, probability proportional to the window's attention normalised over the
+    candidates only (temperature 1). The ablations are this function with one knob turned: sample=False fills by
+    top-k (vase-topk), reserve=0 has no reserve (vase-noreserve), reserve=-1 with SnapKV's vote evicts the
+    widest-range values first (vase-adversary)."""
+    n = ctx.keys.shape[2] - ctx.buffer
+    s = weights(ctx)  # [B, H_kv, S]
+    s = gumbel_log_weights(s, ctx.generator) if sample else s
+    if not reserve:
+        return s
     v = ctx.values.float()
-    reserved = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, ctx.budget // 4)
-    sampled = gumbel_log_weights(snapkv_attention(ctx), ctx.generator)
-    return sampled.masked_fill(reserved, BIG)
+    n_v = ctx.budget // 4 - int(ctx.protected[0, 0, :n].sum())  # the sinks (or a protected prompt) fill part of it
+    widest = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, n_v)
+    return s.masked_fill(widest, BIG * reserve)
 
 
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
@@ -170,13 +208,14 @@ def value_norms(values: Tensor, wo: Tensor) -> Tensor:
 
 
 def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: float = 1e-4) -> Tensor:
-    """CriticalKV (https://arxiv.org/abs/2502.03805): stage 1 keeps the top alpha * (K - r) by the base
-    score; stage 2 ranks the rest by (s + eps) * ||V_h W_O,h||_1, the size of the change each value makes
-    to the layer output. A value's norm never changes, so we compute it once per slot and carry it."""
+    """CriticalKV (https://arxiv.org/abs/2502.03805): stage 1 keeps int(alpha * K) slots by the base score, the
+    recent window among them (kvpress's CriticalKVPress pads the window to the top score), so it adds
+    int(alpha * K) - r candidates; stage 2 ranks the rest by (s + eps) * ||V_h W_O,h||_1, the size of the change
+    each value makes to the layer output. A value's norm never changes, so we compute it once per slot and carry it."""
     s = base(ctx)  # [B, H_kv, S]
     norms = ctx.side["vnorm"]  # a view into the cache's side state: filled here, gathered on eviction
     norms[..., ctx.fresh :] = value_norms(ctx.values[:, :, ctx.fresh :], ctx.wo)
-    stage1 = top_candidates(s, ctx.protected, int(alpha * (ctx.budget - ctx.buffer)))
+    stage1 = top_candidates(s, ctx.protected, int(alpha * ctx.budget) - ctx.buffer)
     return ((s + eps) * norms).masked_fill(stage1, BIG)
 
 
@@ -207,27 +246,28 @@ def epikv_bands(L: int, bands: bool) -> tuple[list[int], list[int]]:
     return [r(0.31)], [r(0.66)]
 
 
-def epikv_observe(cache, out, state, bands: bool = False, window: int = 64):
-    """EPIKV (https://arxiv.org/abs/2606.26472): g_l(t) = ||h_l(t) - h_l(t-1)||_2 on the residual stream when token
-    t is produced; score z_A(t) - z_B(t) with a causal rolling z-score, frozen into the token's slot (same for every
-    layer and head)."""
+def epikv_observe(cache, out, run, bands: bool = False, weights=(1.0, 1.0), window: int = 64):
+    """EPIKV (https://arxiv.org/abs/2606.26472): g(t) = ||h(t) - h(t-1)||_2 on the residual stream (block outputs)
+    when token t is produced, averaged over each band's layers; score w_A z_A(t) - w_B z_B(t) with a causal rolling
+    z-score per band, frozen into the token's slot (same for every layer and head). As the authors' code, the
+    history starts at the first token after the prompt; prompt tokens score 0. Each row keeps its own history."""
     A, Bd = epikv_bands(len(out.hidden), bands)
-    layers = A + Bd
-    h = torch.stack([out.hidden[l].float() for l in layers], 1)  # [B, nl, T, hidden]
-    first = "prev" not in state
-    if first:
-        state["prev"], state["hist"] = h[:, :, :1], h.new_zeros(h.shape[0], len(layers), 0)
-    g = (h - torch.cat([state["prev"], h[:, :, :-1]], 2)).norm(dim=-1)  # [B, nl, T]
-    if first:  # position 0 has no predecessor: its movement is undefined, so it gets no value and z = 0
-        g = g[..., 1:]
-    z = rolling_z(state["hist"], g, window)  # [B, nl, T] (T - 1 on the first call)
-    z = F.pad(z, (1, 0)) if first else z
-    state["prev"], state["hist"] = h[:, :, -1:], torch.cat([state["hist"], g], -1)[..., -(window - 1) :]
-    score = z[:, : len(A)].mean(1) - z[:, len(A) :].mean(1)  # [B, T]
-    T = score.shape[-1]
-    for layer in range(len(out.hidden)):
-        S = cache.length[layer]
-        cache.side["epikv"][layer, :, :, S - T : S] = score[:, None]
+    h = torch.stack([out.hidden[l].float() for l in A + Bd], 1)  # [B, nl, T, hidden]
+    for b, row in enumerate(cache.rows):
+        n = out.chunk.n[b]
+        if n == 0:
+            continue
+        state, hb = run.state[row], h[b, :, :n]  # [nl, n, hidden]
+        prev = state.get("prev", hb[:, :1])  # position 0 has no predecessor: no movement
+        g = (hb - torch.cat([prev, hb[:, :-1]], 1)).norm(dim=-1)  # [nl, n] movement into each token
+        g = torch.stack([g[: len(A)].mean(0), g[len(A) :].mean(0)])  # [2, n] band means
+        # the chunk's tokens still in the prompt (position 0 counts as prompt: it has no movement)
+        skip = min(max(max(run.prompt_len[row], 1) - (cache.next_pos[b] - n), 0), n)
+        hist = state.get("hist", g.new_zeros(2, 0))
+        z = F.pad(rolling_z(hist, g[:, skip:], window), (skip, 0))  # [2, n]; prompt tokens 0
+        state["prev"], state["hist"] = hb[:, -1:], torch.cat([hist, g[:, skip:]], -1)[:, -(window - 1) :]
+        S = cache.length[b]
+        cache.side["epikv"][:, b, :, S - n : S] = weights[0] * z[0] - weights[1] * z[1]
 
 
 def epikv(ctx: ScoreCtx) -> Tensor:
@@ -236,21 +276,20 @@ def epikv(ctx: ScoreCtx) -> Tensor:
 
 
 def epikv_lag(ctx: ScoreCtx, chunk: int = 128) -> Tensor:
-    """EPIKV lag-normalised KV: in chunks of 128 slots, normalise K and V per channel by the *previous*
-    chunk's min/max; score = std over D of K plus of V, mean over heads and layers.
-    note: DESIGN.md leaves the first chunk raw, but raw values sit on another scale than [0, 1] and would
-    always win (the oldest 128 slots could never be evicted), so we normalise it by its own min/max."""
+    """EPIKV lag-normalised KV, as the authors' code: K and V averaged over layers first; in chunks of 128 slots,
+    each normalised per KV head and channel by the *previous* chunk's min/max; the first chunk left raw; std over
+    D (torch's unbiased default), mean over heads; score = K part + V part.
+    note: the raw first chunk sits on another scale than the normalised ones, so the oldest 128 slots tend to survive."""
     if "lag" not in ctx.memo:  # every layer of the round gets the same score: compute it once
         total = 0
         for x in ctx.all_kv:  # [L, B, H_kv, S, D]
-            x = x.float()
-            out = torch.empty_like(x)
-            for c in range(0, x.shape[3], chunk):
-                ref = x[:, :, :, max(c - chunk, 0) : max(c, chunk)]  # previous chunk (the first: itself)
-                lo, hi = ref.amin(3, keepdim=True), ref.amax(3, keepdim=True)
-                out[:, :, :, c : c + chunk] = (x[:, :, :, c : c + chunk] - lo) / (hi - lo + 1e-9)
-            # population std over D, written out: ~3x faster than Tensor.std on these strided chunks
-            total = total + (out - out.mean(-1, keepdim=True)).square().mean(-1).sqrt().mean((0, 2))  # [B, S]
+            x = x.float().mean(0)  # [B, H_kv, S, D]
+            out = x.clone()
+            for c in range(chunk, x.shape[2], chunk):
+                ref = x[:, :, c - chunk : c]  # the previous chunk
+                lo, hi = ref.amin(2, keepdim=True), ref.amax(2, keepdim=True)
+                out[:, :, c : c + chunk] = (x[:, :, c : c + chunk] - lo) / (hi - lo + 1e-9)
+            total = total + out.std(-1).mean(1)  # [B, S]
         ctx.memo["lag"] = total[:, None]
     return ctx.memo["lag"]
 
@@ -263,22 +302,27 @@ def epikv_lag(ctx: ScoreCtx, chunk: int = 128) -> Tensor:
 class Policy:
     score: Callable[[ScoreCtx], Tensor] | None  # None = never evict
     protect_prompt: bool = False  # the paper's default; --protect-prompt overrides it for all
-    window: int = 0  # how many recent queries the scorer reads from the ring
-    observe: Callable | None = None  # called after every forward, for state built during decoding
+    window: int | str = 0  # how many recent queries the scorer reads from the ring; "buffer" = r of them
+    observe: Callable | None = None  # observe(cache, out, run) after every forward, for state built while decoding
     side: tuple = ()  # per-slot side state the cache must carry
 
 
 POLICIES = {
     "full": Policy(None),
     "streaming": Policy(streaming),
-    "snapkv": Policy(snapkv, window=64),
+    "snapkv": Policy(snapkv, window="buffer"),
     "h2o": Policy(h2o, observe=h2o_observe, side=("h2o",)),
     "rkv": Policy(rkv, window=8),
     "random": Policy(random_, protect_prompt=True),
-    "vase": Policy(vase, window=64),
+    "vase": Policy(vase, window="buffer"),
     "vase-dkv": Policy(vase_dkv),
-    "criticalkv": Policy(criticalkv, window=64, side=("vnorm",)),
+    "criticalkv": Policy(criticalkv, window="buffer", side=("vnorm",)),
     "epikv": Policy(epikv, protect_prompt=True, observe=epikv_observe, side=("epikv",)),
-    "epikv-band": Policy(epikv, protect_prompt=True, observe=partial(epikv_observe, bands=True), side=("epikv",)),
+    "epikv-band": Policy(epikv, protect_prompt=True, side=("epikv",),
+                         observe=partial(epikv_observe, bands=True, weights=(1.29, 1.0))),
     "epikv-lag": Policy(epikv_lag, protect_prompt=True),
+    # VASE's ablations (issue: test each half of its claim): one knob of the same scorer each
+    "vase-topk": Policy(partial(vase, sample=False), window="buffer"),
+    "vase-noreserve": Policy(partial(vase, reserve=0), window="buffer"),
+    "vase-adversary": Policy(partial(vase, sample=False, reserve=-1, weights=snapkv_attention), window="buffer"),
 }

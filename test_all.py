@@ -24,6 +24,8 @@ import eval as ev
 import generate as G
 import kernels
 import policies as P
+import tasks as T
+from cache import FREE
 from model import ModelConfig, ModelError, Tokenizer, load_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +42,22 @@ ARCHS = {
     "qwen3-qknorm": dict(model_type="qwen3", head_dim=24),
     "llama3-rope": dict(model_type="llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                              high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "mistral-window": dict(model_type="mistral", sliding_window=16),  # every layer slides
+    "qwen2-window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    "qwen3-layer-types": dict(model_type="qwen3", use_sliding_window=True, sliding_window=10,  # transformers 5
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
+
+
+def sliding_layers(c) -> list[bool]:
+    """Which layers slide, as the reference reads the config: an explicit layer_types (transformers 5); else Mistral
+    slides every layer with a sliding_window; Qwen2/3 with use_sliding_window from layer max_window_layers on."""
+    L = c["num_hidden_layers"]
+    if "layer_types" in c:
+        return [t == "sliding_attention" for t in c["layer_types"]]
+    if c["model_type"] == "mistral":
+        return [bool(c.get("sliding_window"))] * L
+    return [bool(c.get("use_sliding_window")) and i >= c.get("max_window_layers", 0) for i in range(L)]
 
 
 def tiny_dir(path, seed=0, **over) -> str:
@@ -115,6 +132,8 @@ def naive_forward(path, tokens):
         for hd in range(H):
             qh, kh, vh = rot(q[:, hd]), rot(k[:, hd // (H // Hk)]), v[:, hd // (H // Hk)]
             s = qh @ kh.T / math.sqrt(D) + torch.full((T, T), -1e9).triu(1)
+            if sliding_layers(c)[i]:  # query q sees keys q - W < k <= q
+                s = s + torch.full((T, T), -1e9).tril(-c["sliding_window"])
             e = (s - s.max(-1, keepdim=True).values).exp()
             heads.append((e / e.sum(-1, keepdim=True)) @ vh)
         x = x + torch.cat(heads, -1) @ w[p + "self_attn.o_proj.weight"].T
@@ -140,8 +159,100 @@ def full_logits(model, tokens, chunks=None):
 def test_model_matches_naive_reference(arch, tmp_path):
     """model.py's forward equals a naive matmul-and-softmax forward for each architecture variant."""
     path = tiny_dir(str(tmp_path), **ARCHS[arch])
+    tokens = torch.randint(0, 101, (45,), generator=torch.Generator().manual_seed(1))  # past every window
+    model, ref = load_model(path), naive_forward(path, tokens)
+    torch.testing.assert_close(full_logits(model, tokens), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_logits(model, tokens, 7), ref, atol=1e-4, rtol=1e-4)  # chunks after cached slots
+
+
+def test_window_matters(tmp_path):
+    """The sliding window changes the logits past position W and nothing before it (so the test above can fail)."""
+    with_w = load_model(tiny_dir(str(tmp_path / "w"), **ARCHS["mistral-window"]))
+    without = load_model(tiny_dir(str(tmp_path / "n"), model_type="mistral"))
     tokens = torch.randint(0, 101, (45,), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(full_logits(load_model(path), tokens), naive_forward(path, tokens), atol=1e-4, rtol=1e-4)
+    a, b = full_logits(with_w, tokens), full_logits(without, tokens)
+    assert torch.equal(a[:16], b[:16]) and (a[16:] - b[16:]).abs().max() > 1e-3
+
+
+def test_sliding_layers_evict_keys_past_the_window_first(tmp_path):
+    """Under eviction, a sliding layer drops the keys that left its window before any key it can still see: right
+    after each round, every candidate within the window survives there (snapkv alone would not keep them all)."""
+    model = load_model(tiny_dir(str(tmp_path), model_type="qwen2", use_sliding_window=True, sliding_window=14,
+                                max_window_layers=1))
+    run = G.make_run("snapkv", 24, 4, False, 4)
+    seen = []
+    run.watch = lambda cache, b, when: when == "after" and seen.append(
+        (cache.next_pos[0], cache.pos[:, 0, :, : cache.length[0]].clone()))
+    G.generate(model, [[1, 2, 3, 4]], run, 60)
+    assert len(seen) > 5
+    for next_pos, pos in seen:  # a key at p stays visible to the next query iff p > next_pos - 14
+        live = set(range(next_pos - 14 + 1, next_pos))
+        for layer in (1, 2):  # the sliding layers
+            for h in range(pos.shape[1]):
+                assert live <= set(pos[layer, h].tolist())
+
+
+def test_config_layouts_agree(tmp_path):
+    """transformers 4's config.json (top-level rope_theta / rope_scaling, use_sliding_window) and transformers 5's
+    (rope_parameters, layer_types) give the same ModelConfig and the same logits."""
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    old = tiny_dir(str(tmp_path / "v4"), model_type="qwen2", rope_theta=5e5, rope_scaling=yarn,
+                   use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    new = tiny_dir(str(tmp_path / "v5"), model_type="qwen2", rope_parameters=dict(rope_theta=5e5, **yarn),
+                   use_sliding_window=True, sliding_window=12, max_window_layers=1,
+                   layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    c = json.load(open(os.path.join(new, "config.json")))
+    del c["rope_theta"]  # transformers 5 writes no top-level rope_theta
+    json.dump(c, open(os.path.join(new, "config.json"), "w"))
+    a, b = ModelConfig.from_hf(old), ModelConfig.from_hf(new)
+    assert a == b and a.rope_theta == 5e5 and a.rope_scaling["rope_type"] == "yarn" and a.sliding_window == 12
+    tokens = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(full_logits(load_model(old), tokens), full_logits(load_model(new), tokens))
+
+
+def rope_of(**scaling):
+    from model import rope_frequencies
+
+    cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0,
+                      max_position_embeddings=512, rope_scaling=scaling or None)
+    return rope_frequencies(cfg)
+
+
+def test_rope_frequencies_hand_worked():
+    """Each RoPE type against its published formula, by hand for D = 8, theta = 1e4: inv = [1, 0.1, 0.01, 0.001].
+    linear (factor 4): all / 4. llama3 (factor 8, low 1, high 4, original 128): wavelengths 2 pi / inv =
+    6.3, 62.8, 628, 6283 against 128/4 = 32 and 128/1 = 128: the first kept, the last two / 8, and 62.8 blended
+    with s = (128 / 62.832 - 1) / 3 = 0.345727 -> (1 - s) 0.1 / 8 + s 0.1 = 0.0427511. yarn (factor 4, original 64,
+    betas 32 / 1): correction dims 8 ln(64 / (2 pi beta)) / (2 ln 1e4) = -0.497 and 1.008 -> [0, 2], ramp
+    [0, 0.5, 1, 1] -> [1, 0.1 (0.5 / 4 + 0.5), 0.01 / 4, 0.001 / 4]; attention factor 0.1 ln 4 + 1 = 1.138629."""
+    inv = [1.0, 0.1, 0.01, 0.001]
+    close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
+    f, scale = rope_of()
+    close(f, inv)
+    assert scale == 1.0
+    close(rope_of(rope_type="linear", factor=4.0)[0], [x / 4 for x in inv])
+    close(rope_of(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=128)[0], [1.0, 0.0427511, 0.00125, 0.000125])
+    f, scale = rope_of(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    close(f, [1.0, 0.0625, 0.0025, 0.00025])
+    assert abs(scale - 1.138629) < 1e-6
+    assert rope_of(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, attention_factor=1.3)[1] == 1.3
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "dynamic-NTK RoPE"),
+    (dict(rope_scaling=dict(type="longrope", factor=2.0)), "unsupported RoPE type 'longrope'"),
+    (dict(rope_scaling=dict(rope_type="linear")), "needs numeric factor"),
+    (dict(rope_parameters=dict(full_attention=dict(rope_type="default"))), "per-layer-type RoPE"),
+    (dict(model_type="qwen3", sliding_window=8, layer_types=["chunked_attention"] * 3), "unsupported layer type"),
+    (dict(layer_types=["full_attention"]), "one type for each of the 3 layers"),
+])
+def test_unsupported_configs_are_one_line(tmp_path, over, needle):
+    """RoPE types and layer types nanokv does not implement are refused in one line naming them."""
+    path = tiny_dir(str(tmp_path), **over)
+    with pytest.raises(ModelError, match=needle) as e:
+        ModelConfig.from_hf(path)
+    assert "\n" not in str(e.value)
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -183,9 +294,12 @@ def test_eager_attention_matches_sdpa(tiny):
 # kernels: Triton (in the interpreter) against the torch references, on irregular shapes
 
 
-def cos_sin(T, D):
-    ang = torch.arange(T).float()[:, None] / 10000.0 ** (torch.arange(0, D, 2).float() / D)
-    return ang.cos(), ang.sin()
+def cos_sin(T, D, B=1):
+    """The RoPE tables cos = [c, c], sin = [-s, s], [B, T, D]; row b starts at position 7 * b (rows of a batch have
+    their own positions)."""
+    pos = torch.arange(T).float() + 7 * torch.arange(B).float()[:, None]  # [B, T]
+    ang = pos[..., None] / 10000.0 ** (torch.arange(0, D, 2).float() / D)
+    return torch.cat([ang.cos()] * 2, -1), torch.cat([-ang.sin(), ang.sin()], -1)
 
 
 @pytest.mark.parametrize("shape", [(3, 37), (5, 64), (2, 3, 576)])
@@ -199,15 +313,39 @@ def test_rms_norm_triton_matches_ref(shape):
 def test_rope_triton_matches_ref_on_strided_view(T, D):
     """The RoPE kernel equals the reference on a non-contiguous view cut from a fused qkv projection."""
     x = torch.randn(2, T, 3 * 3 * D)[..., : 3 * D].view(2, T, 3, D).transpose(1, 2)  # [B, H, T, D], strided
-    torch.testing.assert_close(kernels.rope_triton(x, *cos_sin(T, D)), kernels.rope_ref(x, *cos_sin(T, D)), **TOL)
+    cs = cos_sin(T, D, B=2)  # each row at its own positions
+    torch.testing.assert_close(kernels.rope_triton(x, *cs), kernels.rope_ref(x, *cs), **TOL)
+
+
+def test_linear_numpy_path_matches_torch(tiny):
+    """kernels.linear's OpenBLAS path (CPU, fp32, one torch thread) gives torch's matmul to fp32 rounding, for one
+    row, a batch of rows, and a strided input; and the model's logits agree across the two paths."""
+    w = torch.randn(48, 20).T.contiguous().T  # an [out, in] view of an [in, out] buffer, as model.weight makes
+    threads = torch.get_num_threads()
+    try:
+        for x in (torch.randn(1, 1, 20), torch.randn(3, 5, 20), torch.randn(5, 3, 20).transpose(0, 1)):
+            torch.set_num_threads(2)
+            ref = kernels.linear(x, w)
+            torch.set_num_threads(1)
+            torch.testing.assert_close(kernels.linear(x, w), ref, **TOL)
+        tokens = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(7))
+        torch.set_num_threads(2)
+        ref = full_logits(tiny, tokens, 7)
+        torch.set_num_threads(1)
+        torch.testing.assert_close(full_logits(tiny, tokens, 7), ref, **TOL)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rope_ref_is_a_rotation():
-    """RoPE keeps each head vector's norm and is the identity at position 0."""
+    """RoPE keeps each head vector's norm, is the identity at position 0, and equals HF's x cos + rotate_half(x) sin."""
     x = torch.randn(1, 2, 5, 8)
-    y = kernels.rope_ref(x, *cos_sin(5, 8))
+    cos, sin = cos_sin(5, 8)
+    y = kernels.rope_ref(x, cos, sin)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), **TOL)
     torch.testing.assert_close(y[:, :, 0], x[:, :, 0], **TOL)
+    rotate_half = torch.cat([-x[..., 4:], x[..., :4]], -1)
+    torch.testing.assert_close(y, x * cos[:, None] + rotate_half * sin[..., 4:].repeat(1, 1, 2)[:, None], **TOL)
 
 
 def window_case(B, H_q, H_kv, W, S, D, seed=0):
@@ -216,9 +354,9 @@ def window_case(B, H_q, H_kv, W, S, D, seed=0):
     q, k = torch.randn(B, H_q, W, D, generator=g), torch.randn(B, H_kv, S, D, generator=g)
     k_pos = torch.stack([torch.randperm(2 * S, generator=g)[:S] + 1 for _ in range(B * H_kv)], -1)
     k_pos = k_pos.view(S, B, H_kv).permute(1, 2, 0)  # [B, H_kv, S], non-contiguous
-    q_pos = torch.randint(0, 2 * S, (W,), generator=g)
+    q_pos = torch.randint(0, 2 * S, (B, W), generator=g)  # each row has its own query positions
     if W > 1:
-        q_pos[0], q_pos[-1] = -1, 0  # an empty ring slot; a query older than every key
+        q_pos[:, 0], q_pos[:, -1] = -1, 0  # an empty ring slot; a query older than every key
     return q, k, q_pos, k_pos
 
 
@@ -241,18 +379,19 @@ def test_window_attn_mass_hand_worked():
     """One query, two keys with logits 0 and ln 3: masses 1/4 and 3/4; a keyless query adds 0, not NaN."""
     q, k = torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([[[[0.0, 5.0], [math.log(3.0), 0.0]]]])
     for fn in (kernels.window_attn_mass_ref, kernels.window_attn_mass_triton):
-        torch.testing.assert_close(fn(q, k, torch.tensor([1]), torch.tensor([[[0, 1]]]), 1.0), torch.tensor([[[0.25, 0.75]]]))
-        assert (fn(q, k, torch.tensor([1]), torch.tensor([[[3, 4]]]), 1.0) == 0).all()
+        torch.testing.assert_close(fn(q, k, torch.tensor([[1]]), torch.tensor([[[0, 1]]]), 1.0), torch.tensor([[[0.25, 0.75]]]))
+        assert (fn(q, k, torch.tensor([[1]]), torch.tensor([[[3, 4]]]), 1.0) == 0).all()
 
 
 # -----------------------------------------------------------------------------
-# scorers on hand-made tensors
+# scorers on hand-made tensors, each against its authors' semantics written out independently (loops, hand work)
 
 
-def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, w=6, seed=0, budget=12, buffer=4, prompt=3, dtype=torch.float32, rnd=0,
-            qscale=1.0):
-    """A ScoreCtx over random keys/values at positions 0..S-1, the last w positions as queries."""
+def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, seed=0, budget=12, buffer=4, prompt=3, dtype=torch.float32, rnd=0,
+            qscale=1.0, w=None):
+    """A ScoreCtx over random keys/values at positions 0..S-1; the ring holds the last w (default: buffer) queries."""
     g = torch.Generator().manual_seed(seed)
+    w = w or buffer
     cfg = ModelConfig(hidden_size=16, num_attention_heads=H_kv * n_rep, num_key_value_heads=H_kv, head_dim=D,
                       num_hidden_layers=2)
     k, v = (torch.randn(B, H_kv, S, D, generator=g).to(dtype) for _ in range(2))
@@ -260,26 +399,60 @@ def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, w=6, seed=0, budget=12, buffer=4, p
     protected = (pos < prompt) | (pos >= S - buffer)
     side = {"h2o": torch.rand(B, H_kv, S, generator=g), "epikv": torch.randn(B, 1, S, generator=g).expand(B, H_kv, S),
             "vnorm": torch.zeros(B, H_kv, S)}
-    all_kv = (torch.stack([k, k.flip(2)]), torch.stack([v, v.flip(2)]))
-    return P.ScoreCtx(0, k, v, pos, protected, (qscale * torch.randn(B, H_kv * n_rep, w, D, generator=g)).to(dtype),
-                      torch.arange(S - w, S), torch.randn(16, H_kv * n_rep * D, generator=g).to(dtype), side, all_kv,
-                      cfg, budget, buffer, torch.Generator().manual_seed(100 + rnd), 0)
+    return P.ScoreCtx(
+        layer=0, keys=k, values=v, pos=pos, protected=protected,
+        queries=(qscale * torch.randn(B, H_kv * n_rep, w, D, generator=g)).to(dtype),
+        q_pos=torch.arange(S - w, S).expand(B, w), wo=torch.randn(16, H_kv * n_rep * D, generator=g).to(dtype),
+        side=side, all_kv=(torch.stack([k, k.flip(2)]), torch.stack([v, v.flip(2)])), cfg=cfg, budget=budget,
+        buffer=buffer, generator=torch.Generator().manual_seed(100 + rnd), fresh=0)
 
 
-def explicit_window_attention(ctx):
-    """softmax(q k^T / sqrt(D)) of the window queries with a causal mask, mean over queries: [B, H_q, S]."""
-    n_rep = ctx.queries.shape[1] // ctx.keys.shape[1]
-    k = ctx.keys.repeat_interleave(n_rep, 1)
-    s = ctx.queries @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])  # [B, H_q, w, S]
-    s = s.masked_fill(ctx.pos.repeat_interleave(n_rep, 1)[:, :, None] > ctx.q_pos[:, None], -math.inf)
-    return s.softmax(-1).mean(2)
+def avg_pool5(x):
+    """Average over the 5 neighbours of each entry, zeros past the edges, always divided by 5 (count_include_pad)."""
+    n = len(x)
+    return [sum(x[j] for j in range(i - 2, i + 3) if 0 <= j < n) / 5 for i in range(n)]
 
 
-def test_snapkv_matches_explicit_softmax():
-    """snapkv = explicit softmax window attention, avg-pooled over 5 keys, averaged over the GQA group."""
+def loop_vote(ctx, over_candidates_only=False):
+    """SnapKV's vote as its authors' code computes it, one query head and one query at a time: softmax over every key
+    the query may see (or, VASE, over the candidates only), mean over the window, window columns dropped,
+    avg-pool 5, mean over the GQA group. Returns [H_kv][n] lists for batch row 0."""
+    H_q, H_kv = ctx.queries.shape[1], ctx.keys.shape[1]
+    S, n, D = ctx.keys.shape[2], ctx.keys.shape[2] - ctx.buffer, ctx.keys.shape[3]
+    out = [[0.0] * n for _ in range(H_kv)]
+    for h in range(H_q):
+        kv = h // (H_q // H_kv)
+        votes = [0.0] * S
+        for w in range(ctx.queries.shape[2]):
+            seen = [s for s in range(n if over_candidates_only else S) if ctx.pos[0, kv, s] <= ctx.q_pos[0, w]]
+            logit = {s: float(ctx.queries[0, h, w] @ ctx.keys[0, kv, s]) / math.sqrt(D) for s in seen}
+            z = sum(math.exp(x) for x in logit.values())
+            for s in seen:
+                votes[s] += math.exp(logit[s]) / z / ctx.queries.shape[2]
+        for s, x in enumerate(avg_pool5(votes[:n])):
+            out[kv][s] += x / (H_q // H_kv)
+    return out
+
+
+def test_snapkv_matches_authors_loop():
+    """snapkv = SnapKV/kvpress's vote written as loops: softmax over all keys, window columns dropped *before* the
+    pool, edge zero-padded; the buffer itself scores 0 (cache.evict keeps it anyway)."""
     ctx = ctx_for()
-    ref = F.avg_pool1d(explicit_window_attention(ctx), 5, 1, 2)
-    torch.testing.assert_close(P.snapkv(ctx), ref.view(1, 2, 2, -1).mean(2), **TOL)
+    got = P.snapkv(ctx)[0]
+    torch.testing.assert_close(got[:, :20], torch.tensor(loop_vote(ctx)), **TOL)
+    assert (got[:, 20:] == 0).all()
+
+
+def test_snapkv_last_candidate_ignores_the_buffer():
+    """The last candidate's vote averages its 5-neighbourhood with zeros past the edge, however much attention the
+    buffer's own keys draw: here the buffer draws almost all of it and the last candidate still gets ~0."""
+    ctx = ctx_for(S=12, H_kv=1, n_rep=1, buffer=4, prompt=0)
+    ctx.queries[:] = ctx.queries[0, 0, 0]  # one query direction, and the buffer's keys align with it
+    ctx.keys[0, 0, 8:] = 10 * ctx.queries[0, 0, 0]
+    a = P.snapkv(ctx)[0, 0]
+    attn = P.window_attention(ctx)[0, 0]  # [S] before dropping and pooling
+    assert attn[8:].sum() > 0.99 and a[7] < 1e-3
+    torch.testing.assert_close(a[7], (attn[5] + attn[6] + attn[7]) / 5, **TOL)
 
 
 def test_h2o_accumulates_explicit_softmax(tiny):
@@ -292,9 +465,9 @@ def test_h2o_accumulates_explicit_softmax(tiny):
         qs = []
         for t in range(5, 12):  # capture each step's layer-1 queries with the model's own collect output
             out = tiny(toks[:, t : t + 1], cache, collect=True)
-            P.h2o_observe(cache, out, run.state)
+            P.h2o_observe(cache, out, run)
             qs.append(out.queries[1])
-    k = cache.get(1)[0].repeat_interleave(2, 1)  # [1, H_q, 12, D]
+    k = cache.k[1, :, :, :12].repeat_interleave(2, 1)  # [1, H_q, 12, D]
     expect = torch.zeros(1, 4, 12)
     for i, q in enumerate(qs):
         s = (q @ k.transpose(-1, -2))[:, :, 0, : 6 + i] / math.sqrt(16)
@@ -304,38 +477,103 @@ def test_h2o_accumulates_explicit_softmax(tiny):
     assert (prefill_part[..., 5:].abs() < 1e-5).all() and (prefill_part[..., :5] > 0).all()
 
 
-def test_criticalkv_stage1_kept_and_stage2_formula():
-    """criticalkv: stage-1 top alpha*(K-r) by SnapKV are always kept; the rest score (s + 1e-4)*||V_h W_O,h||_1."""
-    ctx = ctx_for()
-    scores = P.criticalkv(ctx)
-    s = P.snapkv(ctx_for())
-    n1 = int(0.5 * (ctx.budget - ctx.buffer))
-    stage1 = s.masked_fill(ctx.protected, -1).topk(n1, -1).indices
-    assert (scores.gather(-1, stage1) == P.BIG).all()
+
+def test_criticalkv_stage1_counts():
+    """criticalkv stage 1 keeps int(0.5 K) slots with the recent window among them: max(0, int(0.5 K) - r) candidates,
+    0 at K = 128 and 64 at K = 256 (r = 64), as kvpress's CriticalKVPress."""
+    for K, want in ((128, 0), (256, 64)):
+        ctx = ctx_for(S=K + 64, budget=K, buffer=64, prompt=4, w=8)
+        assert int((P.criticalkv(ctx) == P.BIG).sum(-1).min()) == want
+
+
+def test_criticalkv_stage2_formula():
+    """criticalkv: the rest score (s + 1e-4) * ||V_h W_O,h||_1, each query head through its own slice of o_proj."""
+    ctx = ctx_for(S=40, budget=24, buffer=4)
+    scores, s = P.criticalkv(ctx), P.snapkv(ctx)
     wo = ctx.wo.view(16, 4, 8)  # [hidden, H_q, D]
-    direct = torch.zeros(1, 2, 24)
+    direct = torch.zeros(1, 2, 40)
     for h in range(4):  # each query head projects its KV head's values through its own W_O slice
         direct[:, h // 2] += (ctx.values[:, h // 2] @ wo[:, h].T).abs().sum(-1) / 2
+    assert (scores == P.BIG).sum(-1).min() == 12 - 4  # int(0.5 * 24) - r
     rest = scores != P.BIG
     torch.testing.assert_close(scores[rest], ((s + 1e-4) * direct)[rest], **TOL)
 
 
-def test_vase_reserves_value_range_and_samples_by_attention():
-    """vase: the top K/4 value-range tokens are always kept; the sample changes with the seed; heavier
-    attention is kept more often over many draws."""
+def test_rkv_attention_max_of_group_logits():
+    """rkv's attention term (lam = 1) = R-KV's code as loops: per query, the max over the GQA group's logits of each
+    key but the window's 8, softmax, mean over the 8 queries, max-pool 7. Here a mean of per-head softmaxes would
+    rank the candidates differently, so the test can tell the two apart."""
+    ctx = ctx_for(S=30, H_kv=1, n_rep=2, budget=14, buffer=8, prompt=0, w=8, seed=3)
+    ctx.queries[0, 0] *= 4  # head 0 sharp, head 1 flat: max-of-logits follows head 0
+    got = P.rkv(ctx, lam=1.0)[0, 0]
+    n, D = 22, 8
+    attn = [0.0] * n
+    for w in range(8):
+        logit = [max(float(ctx.queries[0, h, w] @ ctx.keys[0, 0, s]) for h in range(2)) / math.sqrt(D) for s in range(n)]
+        z = sum(math.exp(x) for x in logit)
+        attn = [a + math.exp(x) / z / 8 for a, x in zip(attn, logit)]
+    pooled = [max(attn[j] for j in range(i - 3, i + 4) if 0 <= j < n) for i in range(n)]
+    torch.testing.assert_close(got[:n], torch.tensor(pooled), **TOL)
+    mean_soft = P.group_mean(P.window_attention(ctx, n_keys=n), 2)[0, 0]
+    assert mean_soft.argsort()[-5:].tolist() != torch.tensor(attn).argsort()[-5:].tolist()
+
+
+def test_rkv_redundancy_spares_the_newest_copy():
+    """rkv: of three identical keys the newest is penalised least (its own look-alikes are not counted)."""
+    ctx = ctx_for(S=12, H_kv=1, n_rep=1, budget=4, buffer=1, prompt=0, w=8)
+    k = torch.eye(8).repeat(2, 1)[:12].clone()
+    k[1] = k[3] = k[4] = torch.ones(8)  # positions 1, 3, 4 repeat one key
+    ctx.keys = k.view(1, 1, 12, 8)
+    s = P.rkv(ctx, lam=0.0)  # redundancy alone
+    assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
+
+
+def test_vase_reserve_holds_the_sinks():
+    """vase: N_v = K/4 counts the 4 protected sinks, so K/4 - 4 unprotected widest-range values are reserved, and
+    they are the top of the range among the candidates."""
+    ctx = ctx_for(S=40, budget=32, buffer=8, prompt=4)
+    s = P.vase(ctx)
+    v = ctx.values
+    rng = (v.amax(-1) - v.amin(-1)).masked_fill(ctx.protected, -1)
+    for h in range(2):
+        reserved = (s[0, h] == P.BIG).nonzero()[:, 0]
+        assert sorted(reserved.tolist()) == sorted(rng[0, h].topk(32 // 4 - 4).indices.tolist())
+
+
+def test_vase_weights_over_candidates_only():
+    """vase-topk's fill is VASE's weights as loops: each query normalised over the candidates only (the buffer's keys
+    left out of the softmax), mean over the window, avg-pool 5, GQA mean."""
+    ctx = ctx_for(S=30, budget=16, buffer=6, prompt=0)
+    got = P.POLICIES["vase-topk"].score(ctx)[0]
+    ref = torch.tensor(loop_vote(ctx, over_candidates_only=True))
+    keep = got[:, :24] != P.BIG
+    torch.testing.assert_close(got[:, :24][keep], ref[keep], **TOL)
+
+
+def test_vase_ablations_differ_in_one_knob():
+    """With the same generator: vase-topk keeps vase's reserve; vase-noreserve samples like vase (same draws) without
+    the reserve; vase-adversary pushes exactly that reserve to the bottom and ranks the rest by snapkv."""
+    mk = lambda: ctx_for(S=40, budget=32, buffer=8, prompt=4, rnd=5)
+    vase, topk = P.vase(mk()), P.POLICIES["vase-topk"].score(mk())
+    noreserve, adversary = P.POLICIES["vase-noreserve"].score(mk()), P.POLICIES["vase-adversary"].score(mk())
+    reserve = vase == P.BIG
+    assert reserve.sum() == 2 * 4 and torch.equal(topk == P.BIG, reserve)
+    assert torch.equal(noreserve[~reserve], vase[~reserve]) and (noreserve != P.BIG).all()
+    assert torch.equal(adversary == -P.BIG, reserve)
+    torch.testing.assert_close(adversary[~reserve], P.snapkv(mk())[~reserve])
+
+
+def test_vase_samples_by_attention():
+    """vase: the sample changes with the seed, and heavier attention is kept more often over many draws."""
     mk = lambda r=0: ctx_for(S=40, budget=20, buffer=4, prompt=0, rnd=r, qscale=3.0)  # peaked attention
-    ctx = mk()
-    vr = ctx.values.amax(-1) - ctx.values.amin(-1)
-    top = vr.masked_fill(ctx.protected, -1).topk(5, -1).indices
     keep = lambda c: c.keys.new_zeros(1, 2, 40).scatter_(-1, P.vase(c).topk(20 - 4, -1).indices, 1)
     kept = torch.stack([keep(mk(r)) for r in range(300)])
-    assert (kept[:, 0, 0, top[0, 0]] == 1).all() and not torch.equal(kept[0], kept[1])
-    attn = P.snapkv(ctx).masked_fill(ctx.protected, 0)[0, 0]
-    freq = kept[:, 0, 0].mean(0)
-    free = torch.ones(40, dtype=torch.bool)
-    free[top[0, 0]], free[36:] = False, False
-    a, f = attn[free], freq[free]  # heavier half kept more often than the lighter half
-    order = a.argsort()
+    assert not torch.equal(kept[0], kept[1])
+    ctx = mk()
+    attn, freq = P.candidate_attention(ctx)[0, 0, :36], kept[:, 0, 0, :36].mean(0)
+    free = P.vase(ctx)[0, 0, :36] != P.BIG  # not reserved
+    a, f = attn[free], freq[free]
+    order = a.argsort()  # the heavier half is kept more often than the lighter half
     assert f[order[len(order) // 2 :]].mean() > f[order[: len(order) // 2]].mean() + 0.1
 
 
@@ -351,16 +589,6 @@ def test_random_is_seeded_and_per_head():
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a[:, 0], a[:, 1])
 
 
-def test_rkv_redundancy_spares_the_newest_copy():
-    """rkv: of three identical keys the newest is penalised least (its own look-alikes are not counted)."""
-    ctx = ctx_for(S=6, H_kv=1, n_rep=1, budget=4, buffer=1, prompt=0)
-    k = torch.eye(8)[:6].clone()
-    k[1] = k[3] = k[4] = torch.ones(8)  # positions 1, 3, 4 repeat one key
-    ctx.keys = k.view(1, 1, 6, 8)
-    s = P.rkv(ctx, lam=0.0)  # redundancy alone
-    assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
-
-
 def test_rolling_z_hand_worked():
     """EPIKV's rolling z: window [1, 3, 5] -> (5 - 3) / 1.633 = 1.2247; fewer than 2 values -> 0; window slides."""
     z = P.rolling_z(torch.tensor([1.0, 3.0]), torch.tensor([5.0]))
@@ -370,22 +598,23 @@ def test_rolling_z_hand_worked():
 
 
 def test_epikv_lag_hand_worked():
-    """epikv-lag: chunk 2 is normalised by chunk 1's per-channel min/max, chunk 1 by its own (std over D)."""
-    x = torch.tensor([[0.0, 2.0], [2.0, 4.0], [1.0, 3.0], [2.0, 2.0]])  # [S=4, D=2], chunk = 2
-    kv = x.view(1, 1, 1, 4, 2)
+    """epikv-lag: K and V averaged over the layers first; chunk 2 normalised by chunk 1's per-channel min/max; chunk 1
+    raw; unbiased std over D (the authors' torch.std)."""
+    layer0 = torch.tensor([[0.0, 4.0], [4.0, 8.0], [2.0, 6.0], [4.0, 4.0]])  # [S=4, D=2], chunk = 2
+    kv = torch.stack([layer0, torch.zeros(4, 2)]).view(2, 1, 1, 4, 2)  # layer mean = layer0 / 2
     ctx = ctx_for()
     ctx.all_kv = (kv, kv)
     got = P.epikv_lag(ctx, chunk=2)[0, 0]
-    # chunk 1 by itself: rows [0, 0], [1, 1] -> std [0, 0]; chunk 2 by chunk 1's min [0, 2], range [2, 2]:
-    # rows [0.5, 0.5], [1, 0] -> std [0, 0.5]; K and V are equal here, so the score doubles
-    torch.testing.assert_close(got, 2 * torch.tensor([0.0, 0.0, 0.0, 0.5]), atol=1e-6, rtol=0)
+    # mean over layers: [0, 2], [2, 4], [1, 3], [2, 2]. chunk 1 raw: std([0, 2]) = std([2, 4]) = sqrt(2).
+    # chunk 2 by chunk 1's min [0, 2], range [2, 2]: [0.5, 0.5] -> 0, [1, 0] -> sqrt(0.5). K and V equal: doubled.
+    torch.testing.assert_close(got, 2 * torch.tensor([2**0.5, 2**0.5, 0.0, 0.5**0.5]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(set(P.POLICIES) - {"full"}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_scorer_is_finite(name, dtype):
     """Every scorer returns finite [B, H_kv or 1, S] scores on fp32/bf16, a 1-token prompt and S = K + r."""
-    ctx = ctx_for(S=16, budget=12, buffer=4, prompt=1, dtype=dtype)
+    ctx = ctx_for(S=16, budget=12, buffer=4, prompt=1, dtype=dtype, w=8)
     s = P.POLICIES[name].score(ctx)
     assert s.shape[-1] == 16 and s.shape[1] in (1, 2) and torch.isfinite(s).all()
 
@@ -398,9 +627,9 @@ def test_every_scorer_is_finite(name, dtype):
 def test_large_budget_equals_full_cache(tiny, name):
     """With K at or above the sequence length nothing is evicted: greedy output equals the full cache's."""
     prompt = list(range(3, 13))
-    ref, _, _ = G.generate(tiny, prompt, G.make_run("full", None, 8, None, 10), 40)
+    ref, _, _ = G.generate(tiny, [prompt], G.make_run("full", None, 8, None, 10), 40)
     budget = None if name == "full" else 64
-    out, _, _ = G.generate(tiny, prompt, G.make_run(name, budget, 8, None, 10), 40)
+    out, _, _ = G.generate(tiny, [prompt], G.make_run(name, budget, 8, None, 10), 40)
     assert out == ref
 
 
@@ -415,14 +644,55 @@ def test_eviction_invariants(tiny, name, protect):
         G.feed(tiny, cache, torch.tensor([prompt]), run)
         for t in range(50):
             G.feed(tiny, cache, torch.tensor([[(t * 7) % 101]]), run)
-            S, n = cache.length[0], cache.next_pos
+            S, n = cache.length[0], cache.next_pos[0]
             pos = cache.pos[:, :, :, :S]  # [L, B, H_kv, S]
-            assert S <= K + r and all(l == S for l in cache.length)
+            assert S <= K + r and (cache.pos[:, :, :, S:] == FREE).all()
             assert (pos[..., 1:] > pos[..., :-1]).all()
             assert (pos[..., -min(r, S):] == torch.arange(n - min(r, S), n)).all()
             must = len(prompt) if protect else G.N_SINK
             assert (pos[..., :must] == torch.arange(must)).all()
-    assert run.rounds > 5 and run.max_slots == K + r
+    assert run.evictions > 5 and run.max_slots == K + r
+
+
+def epikv_by_hand(model, ids, prompt_len, weights, window=64):
+    """EPIKV's per-token score written out from the model's block outputs (full cache, no eviction): the movement
+    g(t) = ||h(t) - h(t-1)|| averaged over each band's layers; a rolling z over the last `window` movements of
+    generated tokens only (population std, eps 1e-6, 0 with fewer than 2); w_A z_A - w_B z_B; prompt tokens 0."""
+    cache = G.make_cache(model, G.make_run("full", None, 8, None, 1), len(ids))
+    with torch.inference_mode():
+        hidden = model(torch.tensor([ids]), cache, collect=True).hidden  # per layer [1, T, hidden]
+    A, B = P.epikv_bands(len(hidden), weights != (1.0, 1.0))
+    g = lambda band, t: sum((hidden[l][0, t] - hidden[l][0, t - 1]).norm().item() for l in band) / len(band)
+    hist, out = {0: [], 1: []}, []
+    for t in range(len(ids)):
+        if t < prompt_len:
+            out.append(0.0)
+            continue
+        z = []
+        for i, band in enumerate((A, B)):
+            hist[i].append(g(band, t))
+            x = hist[i][-window:]
+            mean = sum(x) / len(x)
+            std = (sum((v - mean) ** 2 for v in x) / len(x)) ** 0.5
+            z.append(0.0 if len(x) < 2 else (x[-1] - mean) / (std + 1e-6))
+        out.append(weights[0] * z[0] - weights[1] * z[1])
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("name,weights", [("epikv", (1.0, 1.0)), ("epikv-band", (1.29, 1.0))])
+def test_epikv_scores_by_hand(tmp_path, name, weights):
+    """epikv / epikv-band on an 8-layer model (bands of 2 and 3 layers) equal the hand-written score: movements
+    averaged over a band before one rolling z per band, band weights 1.29 / 1.0, history from the first token after
+    the prompt. The tokens go in chunks of 5, and no eviction is due yet."""
+    model = load_model(tiny_dir(str(tmp_path), num_hidden_layers=8))
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(6))
+    run = G.make_run(name, 60, 8, True, 7)
+    cache = G.make_cache(model, run, 40)
+    with torch.inference_mode():
+        for i in range(0, 40, 5):
+            G.feed(model, cache, ids[:, i : i + 5], run)
+    got = cache.side["epikv"][0, 0, 0, :40]
+    torch.testing.assert_close(got, epikv_by_hand(model, ids[0].tolist(), 7, weights), atol=1e-4, rtol=1e-4)
 
 
 def test_epikv_scores_are_causal_and_shared(tiny):
@@ -440,23 +710,135 @@ def test_epikv_scores_are_causal_and_shared(tiny):
     with torch.inference_mode():
         G.feed(tiny, cache, torch.randint(0, 101, (1, 50), generator=torch.Generator().manual_seed(5)), run)
     pos = cache.pos[:, :, :, : cache.length[0]]
-    assert run.rounds > 0 and (pos == pos[0, 0, 0]).all()
+    assert run.evictions > 0 and (pos == pos[0, 0, 0]).all()
 
 
 def test_show_kept_map(tiny):
     """--show-kept draws one row per KV head, full where the prompt is protected and the buffer sits."""
     run = G.make_run("random", 16, 4, True, 6)
-    _, cache, _ = G.generate(tiny, list(range(1, 7)), run, 40)
+    _, cache, _ = G.generate(tiny, [list(range(1, 7))], run, 40)
     lines = G.show_kept(cache, 1, 6, 4, width=46).splitlines()
     assert len(lines) == 2 + 2 and lines[1].strip().startswith("PPPPPP") and lines[1].strip().endswith("RRRR")
     assert lines[2][9:15] == "██████" and lines[2].endswith("████") and " " in lines[2][9:]
 
 
 # -----------------------------------------------------------------------------
+# batched generation: rows of different lengths, each on its own cadence
+
+PROMPTS = [list(range(3, 13)), list(range(20, 47)), list(range(50, 55))]  # 10, 27 and 5 tokens
+
+
+def generate_rows(model, name, prompts, budget=24, buffer=8, n=40, ids=None, **kw):
+    run = G.make_run(name, None if name == "full" else budget, buffer, None if name == "full" else False,
+                     [len(p) for p in prompts], seed=3, ids=ids)
+    return G.generate(model, prompts, run, n, **kw)[0], run
+
+
+DETERMINISTIC = ["full", "streaming", "snapkv", "h2o", "rkv", "criticalkv", "epikv", "epikv-band", "epikv-lag",
+                 "vase-topk", "vase-adversary"]
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_batched_rows_equal_unbatched_runs(tiny, name):
+    """Greedy, fp32: each row of a batch of three prompts (10, 27, 5 tokens) generates exactly the tokens of its
+    unbatched run. With K + r = 32, the 27-token row evicts on its 6th step while the others have not yet."""
+    batched, run = generate_rows(tiny, name, PROMPTS)
+    for prompt, got in zip(PROMPTS, batched):
+        assert generate_rows(tiny, name, [prompt])[0][0] == got
+    assert name == "full" or run.rounds[1] > run.rounds[0] > 0
+
+
+def test_batched_logits_equal_unbatched(tiny):
+    """A ragged prefill (rows of 10, 27 and 5 tokens, K + r = 32 so the 27-token row evicts mid-chunk) gives each row
+    the last-position logits of its own run, to fp32 rounding."""
+    run = G.make_run("snapkv", 24, 8, False, [len(p) for p in PROMPTS])
+    x = torch.tensor([p + [0] * (27 - len(p)) for p in PROMPTS])
+    with torch.inference_mode():
+        got = G.feed(tiny, G.make_cache(tiny, run, 60), x, run, n=[len(p) for p in PROMPTS])[:, 0]
+        for b, p in enumerate(PROMPTS):
+            one = G.make_run("snapkv", 24, 8, False, len(p))
+            torch.testing.assert_close(got[b], G.feed(tiny, G.make_cache(tiny, one, 60), torch.tensor([p]), one)[0, 0], **TOL)
+
+
+@pytest.mark.parametrize("name", ["random", "vase", "vase-noreserve", "vase-dkv"])
+def test_stochastic_rows_are_reproducible_per_row(tiny, name):
+    """A stochastic policy's row depends only on (seed, the row's id, layer, round): rerunning gives the same tokens,
+    another prompt in row 0 leaves row 1 untouched, and row 1 run alone with its id reproduces it."""
+    a, _ = generate_rows(tiny, name, PROMPTS)
+    b, _ = generate_rows(tiny, name, [[7, 8, 9, 10]] + PROMPTS[1:])
+    assert a == generate_rows(tiny, name, PROMPTS)[0] and a[1:] == b[1:]
+    assert generate_rows(tiny, name, PROMPTS[1:2], ids=[1])[0][0] == a[1]
+    assert generate_rows(tiny, name, PROMPTS[1:2], ids=[0])[0][0] != a[1]  # the id matters
+
+
+def test_sampling_is_reproducible_per_row(tiny):
+    """With temperature > 0 each row samples from its own generator: another row 0 leaves row 1's tokens unchanged."""
+    a, _ = generate_rows(tiny, "full", PROMPTS, temperature=1.0)
+    b, _ = generate_rows(tiny, "full", [[7, 8, 9]] + PROMPTS[1:], temperature=1.0)
+    assert a[1:] == b[1:] and a[0] != b[0]
+
+
+def test_finished_rows_leave_and_stop_changing(tiny):
+    """A row that hits its end token stops at it, leaves the batch, and the others go on exactly as alone."""
+    alone, _ = generate_rows(tiny, "snapkv", PROMPTS[1:2], n=40)
+    stop = alone[0][5]  # row 1 will stop at its 6th token if we call that token the end
+    batched, _ = generate_rows(tiny, "snapkv", PROMPTS, n=40, eos_ids=(stop,))
+    assert batched[1] == alone[0][:6]
+    for prompt, got in zip(PROMPTS, batched):
+        assert got == generate_rows(tiny, "snapkv", [prompt], n=40, eos_ids=(stop,))[0][0]
+        assert len(got) == 40 or got[-1] == stop
+
+
+def test_padding_never_reaches_a_scorer(tiny):
+    """Rows of a batch keep their own state: an EPIKV row's rolling history and scores equal its unbatched run's,
+    and each row's cache holds only its own positions."""
+    def run_of(prompts):
+        run = G.make_run("epikv", 24, 8, False, [len(p) for p in prompts])
+        x = torch.tensor([p + [0] * (27 - len(p)) for p in prompts])
+        cache = G.make_cache(tiny, run, 60)
+        with torch.inference_mode():
+            G.feed(tiny, cache, x, run, n=[len(p) for p in prompts])
+            for _ in range(30):
+                G.feed(tiny, cache, torch.tensor([[5]] * len(prompts)), run)
+        return run, cache
+
+    run, cache = run_of(PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        one, c1 = run_of([p])
+        torch.testing.assert_close(run.state[b]["hist"], one.state[0]["hist"], **TOL)
+        S = cache.length[b]
+        assert S == c1.length[0] and torch.equal(cache.pos[:, b, :, :S], c1.pos[:, 0, :, :S])
+        torch.testing.assert_close(cache.side["epikv"][:, b, :, :S], c1.side["epikv"][:, 0, :, :S], **TOL)
+        assert cache.pos[:, b, :, :S].max() < len(p) + 30 and (cache.pos[:, b, :, S:] == FREE).all()
+
+
+def test_memory_grows_with_rows_not_length(tiny):
+    """The cache holds rows x (K + r) slots whatever the length of the generation."""
+    run = G.make_run("snapkv", 24, 8, False, [len(p) for p in PROMPTS])
+    assert G.make_cache(tiny, run, 10_000).k.shape[1::2] == (3, 32)
+
+
+@pytest.mark.parametrize("prompts", [[], [[1, 2], []]])
+def test_generate_refuses_empty_prompts(tiny, prompts):
+    """An empty prompt list, or an empty prompt, is a one-line UsageError."""
+    with pytest.raises(G.UsageError, match="at least one prompt"):
+        G.generate(tiny, prompts, G.make_run("full", None, 8, None, [1] * max(len(prompts), 1)), 4)
+
+
+# -----------------------------------------------------------------------------
 # bad input: one line, non-zero exit, no traceback
 
 
-@pytest.mark.parametrize("args,needle", [
+def one_line_exit(main, argv, capsys) -> str:
+    """Run a CLI's main in-process; it must exit non-zero with exactly one line (argparse's or ours)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    msg = str(e.value.code) if e.value.code not in (0, 1, 2) else capsys.readouterr().err
+    assert e.value.code != 0 and len(msg.strip().splitlines()) == 1 and "Traceback" not in msg, msg
+    return msg
+
+
+BAD_GENERATE = [
     (["--policy", "nope"], "invalid choice"),
     (["--policy", "snapkv", "--budget", "64", "--buffer", "64"], "must exceed --buffer"),
     (["--policy", "snapkv", "--buffer", "0"], "--buffer must be at least 1"),
@@ -468,24 +850,54 @@ def test_show_kept_map(tiny):
     (["--show-kept", "30"], "layers 0 to 29"),
     (["--device", "cuda:99"], "CUDA device(s)"),
     (["--device", "gpu"], "is not a device"),
-])
+    (["--device", "meta"], "is not a device nanokv runs on"),
+    (["--device", "xla"], "is not a device nanokv runs on"),
+    (["--temperature", "nan"], "--temperature must be"),
+    (["--temperature", "-1"], "--temperature must be"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--prompt", "caf\udce9"], "not valid UTF-8"),  # how Python hands over invalid UTF-8 bytes in argv
+    (["--prompt", "\ud800"], "not valid UTF-8"),  # a lone surrogate
+    (["--prompt", "  "], "--prompt is empty"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_GENERATE, ids=[" ".join(a) for a, _ in BAD_GENERATE])
 def test_bad_cli_input_one_line(args, needle, capsys):
     """Each user mistake exits non-zero with one line naming the problem and the fix."""
-    with pytest.raises(SystemExit) as e:
-        G.main(args)
-    msg = str(e.value.code) if e.value.code not in (0, 2) else capsys.readouterr().err
-    assert e.value.code != 0 and needle in msg and len(msg.strip().splitlines()) == 1
+    assert needle in one_line_exit(G.main, args, capsys)
+
+
+@pytest.mark.parametrize("seed", [2**70, 2 * 10**13, -5])
+def test_any_seed_works(tiny, seed):
+    """Seeds of any size seed sampling and stochastic eviction (they are hashed to 63 bits, never overflow)."""
+    run = G.make_run("random", 16, 4, True, 6, seed=seed)
+    out, _, _ = G.generate(tiny, [list(range(1, 7))], run, 30, temperature=0.7)
+    assert len(out[0]) == 30 and run.evictions > 0
+
+
+def test_tiny_temperature_is_greedy(tiny):
+    """A temperature of 1e-45 overflows a plain logits / T; we subtract the max first, so it decodes greedily."""
+    run = lambda: G.make_run("full", None, 8, None, 6)
+    greedy = G.generate(tiny, [list(range(1, 7))], run(), 20)[0]
+    assert G.generate(tiny, [list(range(1, 7))], run(), 20, temperature=1e-45)[0] == greedy
 
 
 def bad_dir(tmp_path, kind):
     path = tiny_dir(str(tmp_path))
-    f = os.path.join(path, "model.safetensors")
+    f, cfg = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
+    edit = lambda **kw: json.dump(dict(json.load(open(cfg)), **kw), open(cfg, "w"))
     if kind == "no-config":
-        os.remove(os.path.join(path, "config.json"))
+        os.remove(cfg)
     elif kind == "no-weights":
         os.remove(f)
     elif kind == "arch":
-        json.dump(dict(json.load(open(os.path.join(path, "config.json"))), model_type="gpt2"), open(os.path.join(path, "config.json"), "w"))
+        edit(model_type="gpt2")
+    elif kind == "bad-json":
+        open(cfg, "w").write('{"model_type": "llama",')
+    elif kind == "heads":
+        edit(num_key_value_heads=3)
+    elif kind == "string":
+        edit(hidden_size="64")
     elif kind == "extra":  # e.g. Llama with attention_bias: an o_proj bias the model has no slot for
         from safetensors.torch import load_file
         save_file({**load_file(f), "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, f)
@@ -506,7 +918,9 @@ def bad_dir(tmp_path, kind):
                                          ("no-config", "no config.json"), ("no-weights", "no *.safetensors"),
                                          ("arch", "unsupported model_type 'gpt2'"), ("corrupt", "corrupt safetensors"),
                                          ("missing", "model.layers.1.mlp.up_proj.weight missing"),
-                                         ("shape", "model.norm.weight in model.safetensors has shape [7]")])
+                                         ("shape", "model.norm.weight in model.safetensors has shape [7]"),
+                                         ("bad-json", "is not valid JSON"), ("heads", "not a multiple of"),
+                                         ("string", "hidden_size is '64', expected an integer")])
 def test_bad_model_dir_messages(tmp_path, kind, needle):
     """A broken model directory raises ModelError naming the file or tensor and the fix."""
     with pytest.raises(ModelError) as e:
@@ -514,12 +928,68 @@ def test_bad_model_dir_messages(tmp_path, kind, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name,content", [("tokenizer.json", "{not json"), ("tokenizer_config.json", "[1, 2")])
+def test_bad_tokenizer_files(tmp_path, name, content):
+    """A malformed tokenizer.json or tokenizer_config.json is one ModelError line naming the file."""
+    path = tiny_dir(str(tmp_path))
+    (tmp_path / name).write_text(content)
+    if name != "tokenizer.json":
+        from tokenizers import Tokenizer as HFTokenizer, models
+        HFTokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ModelError, match=name.replace(".", r"\.")) as e:
+        Tokenizer(path)
+    assert "\n" not in str(e.value)
+
+
+def test_nan_weights_stop_with_a_message(tmp_path):
+    """Weights that load but hold NaN (e.g. 0xFF bytes written into the file) stop generation with a message
+    instead of printing garbage."""
+    path = tiny_dir(str(tmp_path))
+    f = os.path.join(path, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:  # 0xFF x 4 is a NaN in fp32: overwrite a stretch in the middle of the tensors
+        fh.seek(size // 2)
+        fh.write(b"\xff" * 4096)
+    model = load_model(path)
+    with pytest.raises(ModelError, match="NaN/inf logits"):
+        G.generate(model, [[1, 2, 3]], G.make_run("full", None, 8, None, 3), 5)
+
+
+def run_py(args, env=None, timeout=300, stdin=None, shell=False):
+    return subprocess.run(args if shell else [sys.executable, *args], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=timeout, shell=shell)
+
+
 def test_default_model_missing_offline(tmp_path):
     """Without the converted default model and without network, generate.py says which command fetches it."""
     env = dict(os.environ, NANOKV_HOME=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="")
-    p = subprocess.run([sys.executable, "generate.py"], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    p = run_py(["generate.py"], env, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "python weights.py" in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("home", ["file", "readonly"])
+def test_unusable_nanokv_home(tmp_path, home):
+    """NANOKV_HOME that is a file, or a directory we cannot write: one line saying so, before pip runs."""
+    target = tmp_path / "home"
+    if home == "file":
+        target.write_text("")
+    else:
+        target.mkdir()
+        target.chmod(0o500)
+    env = dict(os.environ, NANOKV_HOME=str(target / "sub" if home == "file" else target))
+    p = run_py(["weights.py"], env, timeout=120)
+    target.chmod(0o700) if home == "readonly" else None
+    if home == "readonly" and os.geteuid() == 0:  # root writes anywhere: the read-only case cannot happen
+        return
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "not a writable directory" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_broken_pipe_is_quiet():
+    """`python generate.py | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    p = run_py(f"{sys.executable} generate.py --max-new-tokens 40 | head -c 1", shell=True)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -538,8 +1008,8 @@ def test_default_model_answers_paris(smollm):
     """SmolLM2-135M-Instruct, converted from the GGUF, greedily answers the capital of France with Paris."""
     model, tok = smollm
     ids = tok.encode(tok.chat([{"role": "user", "content": "What is the capital of France?"}]))
-    out, _, _ = G.generate(model, ids, G.make_run("full", None, 64, None, len(ids)), 12, eos_ids=tok.eos_ids)
-    assert "Paris" in tok.decode(out)
+    out, _, _ = G.generate(model, [ids], G.make_run("full", None, 64, None, len(ids)), 12, eos_ids=tok.eos_ids)
+    assert "Paris" in tok.decode(out[0])
 
 
 def test_tokenizer_round_trip_and_chat_template(smollm):
@@ -553,45 +1023,132 @@ def test_tokenizer_round_trip_and_chat_template(smollm):
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_manifest_detects_damage(tmp_path, monkeypatch):
+    """weights.py's manifest catches a truncated or overwritten file (size or sha256), and default_model_dir then
+    names the command that repairs it."""
+    import weights
+
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in weights.MODEL_FILES:
+        (d / f).write_bytes(b"x" * 1000)
+    weights.write_manifest(d)
+    assert weights.check_manifest(d) is None
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(500)
+        f.write(b"\xff\xff")
+    assert "sha256" in weights.check_manifest(d)
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    assert "10 bytes" in weights.check_manifest(d)
+    monkeypatch.setattr(weights, "DEFAULT_MODEL_DIR", d)
+    with pytest.raises(weights.SetupError, match="damaged .*python weights.py"):
+        weights.default_model_dir(fetch=True)
+
+
+def test_interrupted_conversion_leftovers_are_cleared(tmp_path, monkeypatch):
+    """A conversion killed midway leaves .SmolLM2-135M-Instruct.tmp<pid>; the next run removes it (its pid is gone)."""
+    import weights
+
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    dead, alive = tmp_path / f".{weights.DEFAULT_MODEL_DIR.name}.tmp999999999", tmp_path / f".{weights.DEFAULT_MODEL_DIR.name}.tmp{os.getpid()}"
+    dead.mkdir(), alive.mkdir()
+    weights.prepare_home()
+    assert not dead.exists() and alive.exists()
+
+
+def test_first_run_evicts_and_compares():
+    """`python generate.py --policy criticalkv --compare`: the default question evicts several times, the summary
+    and the comparison are well-formed, and the streamed text carries no end-of-turn token."""
+    p = run_py(["generate.py", "--policy", "criticalkv", "--compare"], timeout=600)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    summary = next(l for l in lines if l.startswith("[criticalkv K=192"))
+    assert int(summary.split(" eviction")[0].split()[-1]) >= 3 and "<|im_end|>" not in p.stdout
+    assert any(l.startswith("[compare] against the full cache:") for l in lines)
+
+
+def test_default_prompt_full_cache_is_right(smollm):
+    """The default question is answered correctly by the full cache (so the demo shows eviction's effect)."""
+    model, tok = smollm
+    ids = tok.encode(tok.chat([{"role": "user", "content": G.DEFAULT_PROMPT}]))
+    out, _, _ = G.generate(model, [ids], G.make_run("full", None, 64, None, len(ids)), 512, eos_ids=tok.eos_ids)
+    text = tok.decode(out[0])
+    assert out[0][-1] in tok.eos_ids and len(out[0]) > 400  # long enough for K = 192 to evict several times
+    assert G.DEFAULT_ANSWER in text.lower().split(".")[-2]  # the last sentence names the Sun
+
+
+def test_divergence_report(smollm):
+    """--compare's report: agreement, where the texts first differ, and the words on each side."""
+    tok = smollm[1]
+    ref, got = tok.encode("She read 12 + 24 = 36 pages"), tok.encode("She read 12 + 24 = 38 pages")
+    rep = G.divergence(tok, ref, got, "snapkv")
+    assert "the first" in rep and "| 6 pages" in rep and "| 8 pages" in rep
+    assert "identical" in G.divergence(tok, ref, ref, "snapkv")
+
+
 # -----------------------------------------------------------------------------
 # the cost benchmark
 
 
 BENCH_TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "tie_word_embeddings": True}
-BENCH_FIELDS = {"policy", "context", "ms_per_token", "tok_s", "roofline", "evict_ms", "evict_share", "peak_mb", "slots"}
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "tie_word_embeddings": True}
+BENCH_FIELDS = {"ms_per_step", "tok_s", "roofline", "evict_ms", "evict_share", "peak_mb", "slots", "evictions"}
+
+
+def bench_args(tmp_path, *extra):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(BENCH_TINY))
+    return args_for("bench", "--model", str(cfg), "--policies", "full,snapkv", "--budget", "64", "--buffer", "16",
+                    "--contexts", "160,288", "--steps", "32", "--prompt-len", "8", "--threads", "1", *extra)
 
 
 def test_bench_rows(tmp_path):
-    """The bench's JSON rows have the issue's fields and sane values (tiny random model, 2 contexts, 2 policies)."""
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(BENCH_TINY))
-    args = SimpleNamespace(model=str(cfg), policies="full,snapkv", budget=64, buffer=16, contexts="160,288",
-                           steps=32, prompt_len=8, eager=False, seed=0, device="cpu", dtype=None, threads=1)
+    """The bench's rows have the issue's fields and sane values (tiny random model, 2 contexts, 2 policies, batch
+    1 and 3): every row of a batch evicts on its own, so 3 rows give 3 x 2 row-rounds in the window."""
+    args = bench_args(tmp_path, "--batch-sizes", "1,3")
     todo = bench.jobs(args)
-    assert [(j["policy"], j["context"]) for j in todo] == [("full", 160), ("full", 288), ("snapkv", 160), ("snapkv", 288)]
+    assert [(j["policy"], j["context"], j["batch"]) for j in todo][:3] == [("full", 160, 1), ("full", 160, 3), ("full", 288, 1)]
     for i, job in enumerate(todo):  # one row through the real path (a fresh subprocess), the rest in-process
-        row = bench.measure(args, job) if i == len(todo) - 1 else bench.measure_here({**vars(args), **job})
+        row = bench.measure(args, job) if i == len(todo) - 1 else bench.measure_here(job)
         json.dumps(row)  # plain JSON
         assert BENCH_FIELDS <= row.keys(), row
-        assert row["ms_per_token"] > 0 and row["tok_s"] > 0 and row["roofline"] > 0 and row["peak_mb"] > 0
-        if row["policy"] == "full":
-            assert row["slots"] == row["context"] and row["evict_ms"] is None and row["evict_share"] == 0
-        else:  # 32 steps with r = 16: two evictions land in the timed window
-            assert row["slots"] <= 64 + 16 and row["evictions"] == 2
+        assert row["ms_per_step"] > 0 and row["tok_s"] > 0 and row["roofline"] > 0 and row["peak_mb"] > 0
+        if job["policy"] == "full":
+            assert row["slots"] == job["context"] and row["evict_ms"] is None and row["evict_share"] == 0
+        else:  # 32 steps with r = 16: two evictions per row land in the timed window
+            assert row["slots"] <= 64 + 16 and row["evictions"] == 2 * job["batch"]
             assert row["evict_ms"] > 0 and 0 < row["evict_share"] < 1
 
 
 def test_bench_jobs_eager_and_errors(tmp_path):
-    """--eager adds full-cache eager rows; a context too short for the window is refused with the numbers."""
-    args = SimpleNamespace(policies="all", budget=512, buffer=64, contexts="1024,2048", steps=128, prompt_len=64,
-                           eager=True)
+    """--eager adds full-cache eager rows; bad numbers are refused with one line before any row runs."""
+    args = args_for("bench", "--policies", "all", "--contexts", "1024,2048", "--eager")
     todo = bench.jobs(args)
-    assert len(todo) == 2 * len(P.POLICIES) + 2 and todo[-1] == {"policy": "full", "context": 2048, "eager": True}
-    args.contexts = "150"
-    with pytest.raises(bench.UsageError, match="--steps 128"):
-        bench.jobs(args)
+    assert len(todo) == 2 * len(P.POLICIES) + 2 and todo[-1]["eager"] and todo[-1]["context"] == 2048
+    for flags, needle in [(["--contexts", "150"], "--steps 128"), (["--steps", "0"], "--steps"),
+                          (["--threads", "-1"], "--threads"), (["--batch-sizes", "0"], "--batch-sizes")]:
+        with pytest.raises(G.UsageError, match=needle):
+            bench.jobs(args_for("bench", *flags))
+
+
+def test_bench_takes_only_its_flags(capsys):
+    """bench has no --budgets / --n / --data / --max-new-tokens (it would ignore them): argparse refuses them."""
+    for flag in ("--budgets", "--n", "--data", "--max-new-tokens"):
+        assert "unrecognized arguments" in one_line_exit(ev.main, ["bench", flag, "5"], capsys)
+
+
+def test_bench_rerun_with_another_budget_recomputes(tmp_path):
+    """A bench row's key holds its budget (and every other setting): a rerun with --budget 96 measures the snapkv
+    rows anew (the full cache's rows have no budget, so they stand)."""
+    out = tmp_path / "b.json"
+    a, b = bench_args(tmp_path, "--out", str(out)), bench_args(tmp_path, "--budget", "96", "--out", str(out))
+    calls = []
+    measure = lambda job: calls.append(job) or {"tok_s": 1.0}
+    ev.run_jobs(a, bench.jobs(a), measure)
+    n = len(calls)
+    rows = ev.run_jobs(b, bench.jobs(b), measure)
+    assert len(calls) == n + 2 and {r["budget"] for r in rows if r["policy"] == "snapkv"} == {96}
 
 
 # -----------------------------------------------------------------------------
@@ -625,7 +1182,7 @@ def test_fidelity_sees_eviction(tiny):
     assert row["kl"] > 1e-4 and row["tokens"] == 150
 
 
-@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv", "vase", "criticalkv", "epikv", "epikv-lag"])
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv", "vase-topk", "criticalkv", "epikv", "epikv-lag"])
 def test_chunked_replay_equals_token_by_token(tiny, policy):
     """Feeding the r tokens between evictions as one chunk gives the logits and kept slots of one-at-a-time decode."""
     ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(2))
@@ -638,22 +1195,83 @@ def test_chunked_replay_equals_token_by_token(tiny, policy):
                 logits = G.feed(tiny, cache, ids, run, all_logits=True)
             else:
                 logits = torch.cat([G.feed(tiny, cache, ids[:, i : i + 1], run, all_logits=True) for i in range(100)], 1)
-        out.append((logits, cache.pos[:, :, :, : cache.length[0]].clone(), run.rounds))
+        out.append((logits, cache.pos[:, :, :, : cache.length[0]].clone(), run.evictions))
     (a, pa, ra), (b, pb, rb) = out
     assert ra == rb > 0
     assert torch.equal(pa, pb)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_perturbation_snapkv_against_itself(tiny):
-    """Perturbation rows: snapkv is never better than itself, and the measure is positive when tokens go."""
+# --- output perturbation against the archive
+
+
+def test_perturbation_is_zero_when_everything_is_kept():
+    """||o - o_hat||_1 is 0 when the kept slots are the whole archive, and positive when one key with weight goes."""
+    g = torch.Generator().manual_seed(0)
+    k, v, q = torch.randn(2, 10, 8, generator=g), torch.randn(2, 10, 8, generator=g), torch.randn(4, 3, 8, generator=g)
+    pos, qp, wo = torch.arange(10).expand(2, 10), torch.tensor([7, 8, 9]), torch.randn(16, 32, generator=g)
+    assert (ev.perturbation_l1(q, qp, (k, v, pos), (k, v, pos), wo) == 0).all()
+    keep = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 9])  # key 3 evicted
+    assert (ev.perturbation_l1(q, qp, (k, v, pos), (k[:, keep], v[:, keep], pos[:, keep]), wo) > 0).all()
+
+
+def naive_perturbation(model, ids, run, buffer):
+    """The paper's measure recomputed naively: decode token by token, keep every key/value ever produced, and at each
+    eviction compare per head, by explicit loops, the window queries' outputs over all of them and over the kept."""
+    L, H_kv, H_q, D = 3, 2, 4, 16
+    archive_k, archive_v, window = [[] for _ in range(L)], [[] for _ in range(L)], []
+    sums, rounds = torch.zeros(L, H_kv), 0
+    cache = G.make_cache(model, run, len(ids))
+    for t, tok in enumerate(ids):
+        out = model(torch.tensor([[tok]]), cache, collect=True)
+        window = (window + [[q[0, :, 0] for q in out.queries]])[-buffer:]  # the last r queries, per layer [H_q, D]
+        for l in range(L):
+            archive_k[l].append(cache.k[l, 0, :, cache.length[0] - 1].clone())
+            archive_v[l].append(cache.v[l, 0, :, cache.length[0] - 1].clone())
+        if cache.length[0] == run.budget + run.buffer:
+            G.evict_round(model, cache, run, 0)
+            for l in range(L):
+                wo = model.model.layers[l].self_attn.o_proj.weight.view(-1, H_q, D)
+                S = cache.length[0]
+                for h in range(H_q):
+                    kv, diffs = h // 2, []
+                    for w, qs in enumerate(window):
+                        qpos = t - len(window) + 1 + w
+                        def out_over(keys, values, positions):
+                            seen = [i for i, p in enumerate(positions) if p <= qpos]
+                            a = torch.stack([qs[l][h] @ keys[i] / math.sqrt(D) for i in seen]).softmax(0)
+                            return sum(a[j] * values[i] for j, i in enumerate(seen)) @ wo[:, h].T
+                        full = out_over([k[kv] for k in archive_k[l]], [v[kv] for v in archive_v[l]], range(t + 1))
+                        kept = out_over(cache.k[l, 0, kv, :S], cache.v[l, 0, kv, :S], cache.pos[l, 0, kv, :S].tolist())
+                        diffs.append((full - kept).abs().sum())
+                    sums[l, kv] += sum(diffs) / len(diffs) / 2
+            rounds += 1
+    return sums / rounds
+
+
+def test_perturbation_equals_naive_recomputation(tiny):
+    """eval's archive-based perturbation (window queries) equals the naive token-by-token loops on a tiny model."""
+    lab = trace_lab(tiny, T=80)
     args = args_for("perturbation", "--buffer", "8")
-    row = ev.perturbation(args, {"policy": "snapkv", "budget": 24, "protect": False}, trace_lab(tiny))
-    assert row["mean_l1"] > 0 and row["heads_better_than_snapkv"] == 0
+    got = ev.head_perturbation(args, "snapkv", 24, False, lab)["window"]
+    run = G.make_run("snapkv", 24, 8, False, 10)
+    with torch.inference_mode():
+        want = naive_perturbation(tiny, lab["traces"][0]["ids"], run, 8)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_perturbation_rows(tiny):
+    """Perturbation rows: both query sets, per-head lists, and snapkv never better than itself."""
+    args = args_for("perturbation", "--buffer", "8")
+    lab = trace_lab(tiny)
+    snap = ev.perturbation(args, {"policy": "snapkv", "budget": 24, "protect": False}, lab)
+    other = ev.perturbation(args, {"policy": "streaming", "budget": 24, "protect": False}, lab)
+    assert snap["better_window"] == snap["better_next"] == 0 and snap["l1_window"] > 0 and snap["l1_next"] > 0
+    assert len(other["l1_next_by_head"]) == 3 and other["l1_window"] != snap["l1_window"]
 
 
 # -----------------------------------------------------------------------------
-# answers
+# answers and loops
 
 
 @pytest.mark.parametrize("output, answer, ok", [
@@ -665,7 +1283,7 @@ def test_perturbation_snapkv_against_itself(tiny):
 ])
 def test_gsm8k_answers(output, answer, ok):
     """GSM8K: '####' gold against the last \\boxed{} or else the last number, compared as numbers."""
-    assert ev.is_correct(ev.extract_answer(output, gsm8k=True), answer) == ok
+    assert T.is_correct(T.extract_answer(output, gsm8k=True), answer) == ok
 
 
 @pytest.mark.parametrize("output, answer, ok", [
@@ -682,12 +1300,25 @@ def test_gsm8k_answers(output, answer, ok):
 ])
 def test_math_answers(output, answer, ok):
     """MATH-500 / AIME: last \\boxed{} with the data README's light normalisation."""
-    assert ev.is_correct(ev.extract_answer(output, gsm8k=False), answer) == ok
+    assert T.is_correct(T.extract_answer(output, gsm8k=False), answer) == ok
 
 
 def test_last_boxed_nested():
     """Braces are balanced: nested \\frac inside the box is kept whole."""
-    assert ev.last_boxed("x \\boxed{\\frac{\\sqrt{3}}{2}} y") == "\\frac{\\sqrt{3}}{2}"
+    assert T.last_boxed("x \\boxed{\\frac{\\sqrt{3}}{2}} y") == "\\frac{\\sqrt{3}}{2}"
+
+
+@pytest.mark.parametrize("ids, loops", [
+    ([1, 2, 3] * 50, True),  # period 3, reached the cap
+    ([9] * 150, True),  # period 1
+    (list(range(70)) * 3, False),  # period 70 > 64
+    ([1, 2, 3] * 49 + [4, 5, 6], False),  # the tail breaks the period
+    ([1, 2, 3] * 49 + [1, 2, 0], False),  # ends with the end token (0): it stopped, it did not loop
+    ([1, 2, 3] * 40, False),  # 120 tokens: stopped before the cap of 150
+])
+def test_loop_detector(ids, loops):
+    """A loop: the cap reached without an end token, and the last 128 tokens periodic with period <= 64."""
+    assert T.is_loop(ids, 150 if len(ids) != 120 else 150, eos_ids=(0,)) == loops
 
 
 # -----------------------------------------------------------------------------
@@ -698,7 +1329,7 @@ def test_last_boxed_nested():
 def test_probes_are_deterministic(smollm, kind, where):
     """A probe is a pure function of (data, index, seed): same seed, same tokens; the secret sits where asked."""
     tok = smollm[1]
-    rows = ev.load_data(str(ev.DATA / "math500.jsonl"))[:5]
+    rows = T.load_data(str(T.DATA / "math500.jsonl"))[:5]
     a = ev.build_probe(tok, rows, 1, 0, kind, where, 300)
     assert a == ev.build_probe(tok, rows, 1, 0, kind, where, 300)
     assert a["ids"] != ev.build_probe(tok, rows, 1, 1, kind, where, 300)["ids"]
@@ -711,7 +1342,7 @@ def test_probes_are_deterministic(smollm, kind, where):
 
 
 # -----------------------------------------------------------------------------
-# the driver: resume, atomic writes, one-line errors
+# the driver: resume, keys, concurrency, validation, one-line errors
 
 
 def test_rerun_skips_finished_rows(tmp_path):
@@ -730,34 +1361,85 @@ def test_rerun_skips_finished_rows(tmp_path):
     assert [r["policy"] for r in rows] == ["full", "snapkv", "snapkv", "random", "random"]
 
 
-@pytest.mark.parametrize("argv, msg", [
+def test_changed_settings_are_recomputed(tmp_path):
+    """A row's key holds every setting that changes it: the same file name with other content, another budget,
+    buffer or seed each make a new job; the same settings make the same job."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "q.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n')
+    (tmp_path / "b" / "q.jsonl").write_text('{"problem": "2+2?", "answer": "4"}\n')
+    key = lambda *f: ev.make_jobs(args_for("accuracy", "--policies", "snapkv", "--budgets", "128", *f))[1]
+    base = key("--data", str(tmp_path / "a" / "q.jsonl"))
+    assert base == key("--data", str(tmp_path / "a" / "q.jsonl"))
+    for flags in (["--data", str(tmp_path / "b" / "q.jsonl")], ["--budgets", "256"], ["--buffer", "32"], ["--seed", "1"]):
+        assert base != key("--data", str(tmp_path / "a" / "q.jsonl"), *flags)
+
+
+CONCURRENT = """
+import sys, time; sys.path.insert(0, {here!r})
+import eval as ev
+args = ev.build_parser().parse_args(["fidelity", "--policies", sys.argv[1], "--budgets", "128,256,512", "--out", {out!r}])
+ev.run_jobs(args, ev.make_jobs(args), lambda job: time.sleep(0.05) or {{"kl": 0.1}})
+"""
+
+
+def test_concurrent_sweeps_keep_every_row(tmp_path):
+    """Two sweeps writing one --out at once (different policies): the file ends with every row of both."""
+    out = str(tmp_path / "rows.json")
+    code = CONCURRENT.format(here=HERE, out=out)
+    procs = [subprocess.Popen([sys.executable, "-c", code, p], cwd=HERE) for p in ("snapkv,h2o", "random,vase")]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    rows = json.loads(open(out).read())
+    assert sorted((r["policy"], r["budget"] or 0) for r in rows) == sorted(
+        [("full", 0)] + [(p, b) for p in ("snapkv", "h2o", "random", "vase") for b in (128, 256, 512)])
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+BAD_EVAL = [
     (["fidelity", "--data", "/nonexistent.jsonl"], "does not exist"),
     (["fidelity", "--policies", ""], "--policies is empty"),
     (["fidelity", "--policies", "snapkv,nope"], "unknown policy 'nope'"),
     (["fidelity", "--budgets", "128,big"], "comma-separated integers"),
-])
-def test_bad_input_is_one_line(argv, msg):
-    """User mistakes end with one 'error: ...' line, no traceback."""
-    with pytest.raises(SystemExit) as e:
-        ev.main(argv)
-    assert str(e.value.code).startswith("error:") and msg in str(e.value.code) and "\n" not in str(e.value.code)
+    (["fidelity", "--min-tokens", "0"], "--min-tokens must be at least 1"),
+    (["fidelity", "--min-tokens", "-5000"], "--min-tokens must be at least 1"),
+    (["fidelity", "--n", "0"], "--n must be at least 1"),
+    (["accuracy", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["probe", "--gap", "-5"], "--gap must be at least 1"),
+    (["probe", "--gap", "100000"], "past the model's 8192 positions"),
+    (["accuracy", "--budgets", "128", "--protect-prompt", "--policies", "snapkv"], "--budget >= "),
+    (["bench", "--steps", "0"], "--steps"),
+    (["bench", "--threads", "-1"], "--threads"),
+]
 
 
-def test_bad_jsonl_row_names_line_and_field(tmp_path):
-    """A jsonl row without the expected field names its line and the field."""
+@pytest.mark.parametrize("argv, msg", BAD_EVAL, ids=[" ".join(a) for a, _ in BAD_EVAL])
+def test_bad_eval_input_is_one_line(argv, msg, capsys, tmp_path):
+    """User mistakes end with one 'error: ...' line, no traceback, before any job runs (no --out is written)."""
+    out = tmp_path / "rows.json"
+    assert msg in one_line_exit(ev.main, argv + ["--out", str(out)], capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, needle", [("[1, 2]", "not a JSON list of rows"), ("{}", "not a JSON list"),
+                                             (None, "is a directory")])
+def test_bad_out_file_is_one_line(tmp_path, capsys, content, needle):
+    """--out that is a directory, or a JSON file that is not a list of rows, is refused in one line."""
+    out = tmp_path / "out"
+    out.mkdir() if content is None else out.write_text(content)
+    assert needle in one_line_exit(ev.main, ["bench", "--policies", "full", "--out", str(out)], capsys)
+
+
+@pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
+                                          (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8")])
+def test_bad_jsonl(tmp_path, capsys, content, msg):
+    """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so."""
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
-    with pytest.raises(SystemExit) as e:
-        ev.main(["accuracy", "--data", str(bad)])
-    assert e.value.code == f"error: {bad} line 2: missing field 'answer'"
+    bad.write_bytes(content)
+    assert msg in one_line_exit(ev.main, ["accuracy", "--data", str(bad)], capsys)
 
 
 def test_unknown_subcommand_is_one_line(capsys):
     """An unknown subcommand gets argparse's one-line error."""
-    with pytest.raises(SystemExit):
-        ev.main(["speed"])
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "invalid choice: 'speed'" in err and "\n" not in err
+    assert "invalid choice: 'speed'" in one_line_exit(ev.main, ["speed"], capsys)
 
 
 def test_markdown_hoists_constant_columns():
@@ -767,11 +1449,33 @@ def test_markdown_hoists_constant_columns():
     assert md.splitlines()[0] == "n=3" and "| full | – | 0 | 1 |" in md and "| snapkv | 128 | 0.25 | 1 |" in md
 
 
-def test_traces_use_each_problem_once(smollm, tmp_path):
-    """Packing conversations terminates and answers every --n problem exactly once, even with no spare problems."""
+def test_paired_differences():
+    """The paired table: per-trace KL minus snapkv's, mean ± standard error, and in how many traces it is lower."""
+    rows = [{"policy": "snapkv", "budget": 128, "kl_by_trace": [1.0, 2.0, 3.0]},
+            {"policy": "h2o", "budget": 128, "kl_by_trace": [0.5, 2.5, 2.0]}]
+    line = ev.paired(rows).splitlines()[-1]
+    assert line == "| h2o | 128 | -0.3333 ± 0.4410 | 2/3 |"
+
+
+def test_conversation_plans():
+    """n conversations open with the n shortest problems and share the others round-robin, each problem once."""
+    tok = SimpleNamespace(encode=lambda s: s.split())
+    qs = [f"q{i} " + "w " * (10 - i % 5) for i in range(12)]
+    plans = ev.conversation_plans(tok, qs, 3)
+    assert [p[0] for p in plans] == [qs[4], qs[9], qs[3]]  # the shortest (ties by index)
+    flat = [q for p in plans for q in p]
+    assert sorted(flat) == sorted(qs) and len(flat) == len(set(flat))
+
+
+def test_traces_do_not_depend_on_batch_size(smollm, tmp_path):
+    """Packing conversations terminates, uses each problem at most once, and gives the same traces decoded
+    three together or one at a time."""
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(3)))
-    args = args_for("fidelity", "--data", str(data), "--n", "3", "--max-new-tokens", "4", "--min-tokens", "40")
-    trs = ev.traces(args, {"model": smollm[0], "tok": smollm[1]})
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(7)))
+    get = lambda bs: ev.traces(args_for("fidelity", "--data", str(data), "--n", "3", "--max-new-tokens", "6",
+                                        "--min-tokens", "40", "--batch-size", bs), {"model": smollm[0], "tok": smollm[1]})
+    trs = get("3")
+    assert trs == get("1") and len(trs) == 3
     text = "".join(smollm[1].decode(t["ids"]) for t in trs)
-    assert [text.count(f"What is {i} + {i}?") for i in range(3)] == [1, 1, 1]
+    assert all(text.count(f"What is {i} + {i}?") <= 1 for i in range(7))
+    assert all(len(t["ids"]) >= 40 or len(t["spans"]) == 3 for t in trs)

