@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from generate import (UsageError, cpu_threads, feed, load, make_cache, make_run, peak_memory_mb, policy_names,
                       resolve_device)
+from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
@@ -99,9 +99,10 @@ def measure(args, job: dict) -> dict:
 # one row, inside the subprocess
 
 
-def build_model(path, device, dtype):
+def build_model(path, device: str | None, dtype: str | None):
     """The model of a directory (or the default), or random weights for a bare config.json."""
     if path and Path(path).is_file():
+        device, dtype = resolve_device(device, dtype)
         cpu_threads(device)
         model = Transformer(ModelConfig.from_hf(path), device, dtype)
         g = torch.Generator(device).manual_seed(0)  # drawn on the device: billions of weights on a GPU
@@ -128,17 +129,16 @@ def sync(device):
 
 
 def matvec_bandwidth(device, dtype, mb: int = 256) -> float:
-    """Bytes/s that a matrix-vector product reads, best of 5, on a weight far past the last-level cache stored in
-    the model's own layout: the bandwidth a batch-1 decoder can reach, i.e. its memory roofline."""
+    """Bytes/s that a matrix-vector product reads, best of 5, on a weight far past the last-level cache, in the model's
+    own layout and through its own kernels.linear: the bandwidth a batch-1 decoder can reach, its memory roofline."""
     cols = 4096
-    w = weight(mb * 2**20 // (cols * torch.finfo(dtype).bits // 8), cols, device=device, dtype=dtype)
-    w.normal_()
+    w = weight(mb * 2**20 // (cols * torch.finfo(dtype).bits // 8), cols, device=device, dtype=dtype).fill_(0.5)
     x = torch.randn(1, cols, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(6):  # the first call warms up
         sync(device)
         t0 = time.perf_counter()
-        F.linear(x, w)
+        linear(x, w)
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return w.nbytes / best
@@ -147,7 +147,7 @@ def matvec_bandwidth(device, dtype, mb: int = 256) -> float:
 @torch.inference_mode()
 def measure_here(o: dict) -> dict:
     device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""))
-    model = build_model(o["model"], device, dtype)
+    model = build_model(o["model"], device, str(dtype).replace("torch.", ""))
     if o.get("threads"):  # after loading, which picks nanokv's default (generate.cpu_threads)
         torch.set_num_threads(o["threads"])
     cfg, C, steps, B = model.cfg, o["context"], o["steps"], o["batch"]

@@ -30,6 +30,14 @@ class Chunk:
     start: int | None  # the slot every row appends at, when all rows are alike (else None: see `real`)
     S: int  # slots the longest row holds after this chunk
     real: tuple[Tensor, Tensor, Tensor]  # (row, column, slot) of each real token, [N] each
+    n_t: Tensor  # [B] n as a tensor
+
+    def newest(self, w: int) -> tuple[Tensor, Tensor]:
+        """(row, column) of each row's last w real tokens: what a ring of w queries keeps. The older ones would
+        land on the same ring slots, and an indexed write with repeated indices has no defined winner."""
+        row, col, _ = self.real
+        keep = col >= self.n_t[row] - w
+        return row[keep], col[keep]
 
 
 class KVCache:
@@ -90,7 +98,7 @@ class KVCache:
             self.pos[:, row, :, slot] = pos[row, col][:, None, None]  # indexed: [N, L, H_kv]
             for side in self.side.values():
                 side[:, row, :, slot] = 0
-        return Chunk(n, pos, last, end, self.length[0] if alike else None, S, (row, col, slot))
+        return Chunk(n, pos, last, end, self.length[0] if alike else None, S, (row, col, slot), torch.tensor(n, device=dev))
 
     def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None, chunk: Chunk) -> tuple[Tensor, Tensor]:
         """Write the chunk's real k, v [B, H_kv, T, D] (and queries q [B, H_q, T, D] into the ring); return
@@ -102,8 +110,8 @@ class KVCache:
             row, col, slot = chunk.real
             K[row, :, slot], V[row, :, slot] = k[row, :, col], v[row, :, col]
         w = self.q_ring.shape[3]
-        if w and q is not None:  # ring index = position % w; a row's older real tokens are overwritten in order
-            row, col, _ = chunk.real
+        if w and q is not None:  # ring index = position % w
+            row, col = chunk.newest(w)
             self.q_ring_l[layer][row, :, chunk.pos[row, col] % w] = q[row, :, col]
         return K[:, :, : chunk.S], V[:, :, : chunk.S]
 
@@ -111,7 +119,7 @@ class KVCache:
         """Close a forward pass: every layer has appended the chunk."""
         w = self.q_pos.shape[1]
         if w:
-            row, col, _ = chunk.real
+            row, col = chunk.newest(w)
             p = chunk.pos[row, col]
             self.q_pos[row, p % w] = p
         for b, c in enumerate(chunk.n):
@@ -137,19 +145,21 @@ class KVCache:
         """Keep the `keep` best slots of each KV head of one row, in every layer: the `protected` ones ([1, H_kv, S]
         bool, see protected()) always survive, the rest go by highest score. scores[layer] is [1, H_kv or 1, S];
         a single row of scores means one token set for all heads of that layer."""
-        S = self.length[row]
+        S, cap = self.length[row], self.capacity
         r = slice(row, row + 1)
         for layer, (s, p) in enumerate(zip(scores, protected)):
-            k, v, pos = self.k[layer, r], self.v[layer, r], self.pos[layer, r]  # [1, H_kv, cap(, D)] views
-            _, H, _, D = k.shape
+            k, v, pos = self.k[layer, row], self.v[layer, row], self.pos[layer, r]  # [H_kv, cap, D], [1, H_kv, cap]
+            H, _, D = k.shape
             s = s.float().nan_to_num(nan=-float("inf")).expand(1, H, S)  # a NaN must never outrank +inf
             s = s.masked_fill(p, float("inf"))
             # keep the top `keep`, then restore temporal order so slots stay sorted by position
             idx = s.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [1, H_kv, keep]
-            idx_d = idx[..., None].expand(1, H, keep, D)
-            # note: gather reads everything before the write-back, so overlapping ranges are safe
-            k[:, :, :keep] = k[:, :, :S].gather(2, idx_d)
-            v[:, :, :keep] = v[:, :, :S].gather(2, idx_d)
+            # the kept slots of every head as rows of a [H_kv * cap, D] view: one index_select moves whole
+            # D-vectors (a gather with an expanded index moves them a float at a time, ~8x slower on CPU)
+            flat = (idx[0] + torch.arange(H, device=idx.device)[:, None] * cap).view(-1)  # [H_kv * keep]
+            # note: index_select reads everything before the write-back, so overlapping ranges are safe
+            k[:, :keep] = k.view(H * cap, D).index_select(0, flat).view(H, keep, D)
+            v[:, :keep] = v.view(H * cap, D).index_select(0, flat).view(H, keep, D)
             pos[:, :, :keep] = pos[:, :, :S].gather(2, idx)
             pos[:, :, keep:S] = FREE
             for side in self.side.values():

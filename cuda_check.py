@@ -71,7 +71,7 @@ def check_policies(cfg: dict, device: str, dtype, budget: int, buffer: int, new_
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "config.json")
         json.dump(cfg, open(path, "w"))
-        model = bench.build_model(path, device, dtype)
+        model = bench.build_model(path, device, str(dtype).replace("torch.", ""))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(cfg["vocab_size"], (n,), generator=g).tolist() for n in lens]
     lines = []

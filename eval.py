@@ -92,8 +92,9 @@ def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
         return new
 
     pending = [next_turn(c) for c in convs]  # what each row feeds next
-    bar = tqdm(total=len(plans), desc="traces (full cache, greedy)", leave=False)
+    bar = tqdm(total=len(plans) * args.min_tokens, desc="traces (full cache, greedy)", unit="tok", leave=False)
     while cache.batch:
+        bar.update(sum(map(len, pending)))
         x = torch.tensor([p + [0] * (max(map(len, pending)) - len(p)) for p in pending], device=model.device)
         nxt = feed(model, cache, x, run, n=[len(p) for p in pending])[:, -1].argmax(-1).tolist()
         keep = []
@@ -113,9 +114,7 @@ def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
             c["messages"].append({"role": "assistant", "content": tok.decode(answer)})
             c["text"] += c["messages"][-1]["content"]
             new = next_turn(c)
-            if new is None:
-                bar.update()
-            else:  # a capped answer's last token has not been fed yet: it goes first
+            if new is not None:  # a capped answer's last token has not been fed yet: it goes first
                 pending[b] = ([] if t in tok.eos_ids else [t]) + new
                 keep.append(b)
         if len(keep) < cache.batch:
@@ -263,12 +262,11 @@ def head_outputs(q: Tensor, q_pos: Tensor, keys: Tensor, values: Tensor, k_pos: 
 
 
 def perturbation_l1(q, q_pos, archive, kept, wo) -> Tensor:
-    """||o - o_hat||_1 per KV head [H_kv]: o over every key/value the run produced (the archive), o_hat over the
-    slots it holds (kept), for the same queries, through each head's slice of W_O, L1 over the hidden size, mean
-    over the queries and the GQA group. archive and kept are (keys, values, positions) of one layer."""
+    """||o - o_hat||_1 per attention (query) head [H_q]: o over every key/value the run produced (the archive),
+    o_hat over the slots it holds (kept), for the same queries, through each head's slice of W_O, L1 over the
+    hidden size, mean over the queries. archive and kept are (keys, values, positions) of one layer."""
     diff = (head_outputs(q, q_pos, *archive, wo) - head_outputs(q, q_pos, *kept, wo)).abs().sum(-1)  # [H_q, w]
-    H_kv = kept[0].shape[0]
-    return diff.mean(-1).view(H_kv, -1).mean(-1)
+    return diff.mean(-1)
 
 
 def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> dict:
@@ -276,24 +274,24 @@ def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> dic
     archive that is never evicted. At each eviction round we compare, per (layer, KV head), the attention output over
     the archive with that over the kept slots, for two sets of queries: the window queries the scorers just used
     (the paper's setting, "window"), and the next r queries decoding meets ("next", measured when they are all in,
-    at the next round). Returns {"window": [L, H_kv], "next": [L, H_kv]}, means over rounds."""
+    at the next round). Returns {"window": [L, H_q], "next": [L, H_q]} per attention head, means over rounds."""
     memo = lab.setdefault("perturb", {})
     if (policy, budget, protect) in memo:
         return memo[policy, budget, protect]
     model, _ = model_of(args, lab)
     cfg = model.cfg
-    L, H_kv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    L, H_kv, H_q, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     wo = [blk.self_attn.o_proj.weight for blk in model.model.layers]
-    sums = {"window": torch.zeros(L, H_kv), "next": torch.zeros(L, H_kv)}
+    sums = {"window": torch.zeros(L, H_q), "next": torch.zeros(L, H_q)}
     counts = {"window": 0, "next": 0}
 
     def measure(cache, which: str, q_from: int):  # the ring's queries at positions >= q_from against the archive
         for l in range(L):
             q, qp = cache.q_ring[l, 0], cache.q_pos[0]
             use = qp >= q_from
-            S, n = cache.length[0], int(cache.next_pos[0])
+            S, n = cache.length[0], cache.next_pos[0]
             kept = (cache.k[l, 0, :, :S], cache.v[l, 0, :, :S], cache.pos[l, 0, :, :S])
-            archive = (arch["k"][l, :, :n], arch["v"][l, :, :n], torch.arange(n).expand(H_kv, n))
+            archive = (arch["k"][l, :, :n], arch["v"][l, :, :n], torch.arange(n, device=qp.device).expand(H_kv, n))
             sums[which][l] += perturbation_l1(q[:, use], qp[use], archive, kept, wo[l]).cpu()
         counts[which] += 1
 
@@ -319,7 +317,8 @@ def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> dic
         run.policy = replace(run.policy, window="buffer", observe=observe)
         run.watch = watch
         T = len(tr["ids"])
-        arch = {"k": torch.zeros(L, H_kv, T, D), "v": torch.zeros(L, H_kv, T, D), "evicted_at": None}
+        kw = dict(device=model.device, dtype=model.model.embed_tokens.weight.dtype)
+        arch = {"k": torch.zeros(L, H_kv, T, D, **kw), "v": torch.zeros(L, H_kv, T, D, **kw), "evicted_at": None}
         with torch.inference_mode():  # note: the last round's next queries are cut short by the trace's end: unused
             feed(model, make_cache(model, run, T), torch.tensor([tr["ids"]], device=model.device), run)
     memo[policy, budget, protect] = {k: sums[k] / max(counts[k], 1) for k in sums}
@@ -332,7 +331,7 @@ def perturbation(args, job: dict, lab: dict) -> dict:
     row = {}
     for k in ("window", "next"):
         row[f"l1_{k}"] = mine[k].mean().item()
-        row[f"better_{k}"] = (mine[k] < snap[k]).float().mean().item()  # share of (layer, KV head) below snapkv
+        row[f"better_{k}"] = (mine[k] < snap[k]).float().mean().item()  # share of (layer, head) below snapkv
         row[f"l1_{k}_by_head"] = mine[k].tolist()
     return row
 
@@ -365,9 +364,11 @@ def make_jobs(args) -> list[dict]:
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
+    device, dtype = resolve_device(args.device, args.dtype)
+    # note: the batch size is in the key too: batched matmuls may round differently in bf16 on a GPU
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
-              "seed": args.seed, "model": model_key(args.model), "dtype": str(resolve_device(args.device, args.dtype)[1]),
-              "max_new_tokens": args.max_new_tokens}
+              "seed": args.seed, "model": model_key(args.model), "device": torch.device(device).type,
+              "dtype": str(dtype), "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
 
 

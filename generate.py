@@ -131,6 +131,7 @@ def make_cache(model, run: Run, n_tokens: int) -> KVCache:
     """A cache for each row of the request and n_tokens per row: budget + buffer slots when evicting, else all."""
     cfg = model.cfg
     cap = n_tokens if run.budget is None else min(n_tokens, run.budget + run.buffer)
+    run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh
     w = model.model.embed_tokens.weight
     return KVCache(cfg.num_hidden_layers, len(run.prompt_len), cfg.num_key_value_heads, cfg.head_dim, cap,
                    n_q_heads=cfg.num_attention_heads, window=run.ring, side=run.policy.side,
@@ -166,7 +167,8 @@ def evict_round(model, cache: KVCache, run: Run, b: int):
                        all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generator=g,
                        fresh=run.budget if run.rounds[row] else 0, memo=memo)
         s = run.policy.score(ctx)
-        if blk.self_attn.window:  # a sliding layer never again sees keys that left its window: they go first
+        if blk.self_attn.window and s.shape[1] > 1:  # a sliding layer never again sees keys that left its window:
+            # they go first (not for one-set scorers such as EPIKV, whose layers must keep the same positions)
             s = s.masked_fill(pos <= cache.next_pos[b] - blk.self_attn.window, -float("inf"))
         scores.append(s)
         masks.append(protected)

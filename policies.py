@@ -140,6 +140,7 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
     redundancy: each key's mean cosine similarity to the others, softmax over keys. λ = 0.1 as in R-KV's README
     (their code defaults to 0.07). note: the similarity is S x S over the *cached* keys, bounded by K + r."""
     B, H_kv, S, D = ctx.keys.shape
+    window = min(window, ctx.buffer)  # with a buffer under 8 the window's keys would include candidates
     n = S - window
     q, q_pos = newest_queries(ctx, window)  # [B, H_q, w, D], [B, w]
     k = ctx.keys[:, :, :n].float()
@@ -156,7 +157,9 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
     newest = ((sim > threshold) * torch.arange(1, S + 1, device=sim.device, dtype=torch.int32)).amax(-1)
     j = (newest.long() - 1).clamp(min=0)  # [B, H_kv, S]
     spared = sim.gather(-1, j[..., None])[..., 0]  # sim[i, j(i)], taken back out of column j(i) below
-    redundancy = (sim.sum(-2).scatter_add(-1, j, -spared) / S).softmax(-1)  # mean over rows, [B, H_kv, S]
+    # the column sums of sim are k_j . sum_i k_i minus its zeroed diagonal k_j . k_j: S x D work, not an S x S pass
+    col_sums = (k @ k.sum(-2, keepdim=True).transpose(-1, -2))[..., 0] - k.square().sum(-1)  # [B, H_kv, S]
+    redundancy = (col_sums.scatter_add(-1, j, -spared) / S).softmax(-1)  # mean over rows, [B, H_kv, S]
     return lam * attn - (1 - lam) * redundancy
 
 
