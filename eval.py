@@ -321,7 +321,7 @@ def head_perturbation(args, policy: str, budget: int, protect, lab: dict) -> dic
         arch = {"k": torch.zeros(L, H_kv, T, D, **kw), "v": torch.zeros(L, H_kv, T, D, **kw), "evicted_at": None}
         with torch.inference_mode():  # note: the last round's next queries are cut short by the trace's end: unused
             feed(model, make_cache(model, run, T), torch.tensor([tr["ids"]], device=model.device), run)
-    memo[policy, budget, protect] = {k: sums[k] / max(counts[k], 1) for k in sums}
+    memo[policy, budget, protect] = {k: sums[k] / counts[k] if counts[k] else None for k in sums}  # None: no round
     return memo[policy, budget, protect]
 
 
@@ -330,6 +330,9 @@ def perturbation(args, job: dict, lab: dict) -> dict:
     snap = head_perturbation(args, "snapkv", job["budget"], job["protect"], lab)
     row = {}
     for k in ("window", "next"):
+        if mine[k] is None:  # the traces too short for a second eviction round: nothing measured
+            row |= {f"l1_{k}": None, f"better_{k}": None, f"l1_{k}_by_head": None}
+            continue
         row[f"l1_{k}"] = mine[k].mean().item()
         row[f"better_{k}"] = (mine[k] < snap[k]).float().mean().item()  # share of (layer, head) below snapkv
         row[f"l1_{k}_by_head"] = mine[k].tolist()
