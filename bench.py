@@ -5,10 +5,10 @@ Decode speed, eviction overhead and peak memory of each policy against context l
 For each (policy, context, batch) we fill the cache with random token ids through `feed` (the full cache: a prefill
 up to the window; a compressed one: K + r tokens and one eviction, then its positions jump to the window, which
 holds the same number of slots a full replay leaves), then time `--steps` greedy decode steps of every row that end
-at position `context`, evicting on the generation cadence. `--eager` adds full-cache rows whose attention materialises the
-[B, H_q, T, S] fp32 matrix, the way attention-weight methods run with eager kernels, so the quadratic memory wall
-shows in the same table. Each row runs in a fresh subprocess, because the process's peak memory (ru_maxrss) never
-goes down. `--model` also takes a bare config.json: random weights of that shape, for speed runs.
+at position `context`, evicting on the generation cadence. `--eager` adds full-cache rows whose attention
+materialises the [B, H_q, T, S] fp32 matrix, the way attention-weight methods run with eager kernels, so the
+quadratic memory wall shows in the same table. Each row runs in a fresh subprocess, because the process's peak
+memory (ru_maxrss) never goes down. `--model` also takes a bare config.json: random weights of that shape.
 The roofline is gpt-fast's memory-bandwidth argument, with the bandwidth a matrix-vector product reaches here.
 Left out: CUDA graphs, torch.compile.
 """

@@ -79,7 +79,8 @@ class KVCache:
         dev = self.pos.device
         last = (torch.tensor(n, device=dev) - 1).clamp(min=0)  # [B]
         # padding columns repeat the last real position, so they see what the row's last token sees
-        pos = torch.tensor(self.next_pos, device=dev)[:, None] + torch.minimum(torch.arange(T, device=dev), last[:, None])
+        cols = torch.minimum(torch.arange(T, device=dev), last[:, None])  # [B, T]
+        pos = torch.tensor(self.next_pos, device=dev)[:, None] + cols
         end = max(p + max(c, 1) for p, c in zip(self.next_pos, n))
         alike = len(set(self.length)) == 1 and set(n) == {T}  # the common case: one slice write serves all rows
         row = torch.arange(self.batch, device=dev).repeat_interleave(torch.tensor(n, device=dev))
@@ -98,7 +99,8 @@ class KVCache:
             self.pos[:, row, :, slot] = pos[row, col][:, None, None]  # indexed: [N, L, H_kv]
             for side in self.side.values():
                 side[:, row, :, slot] = 0
-        return Chunk(n, pos, last, end, self.length[0] if alike else None, S, (row, col, slot), torch.tensor(n, device=dev))
+        start = self.length[0] if alike else None
+        return Chunk(n, pos, last, end, start, S, (row, col, slot), torch.tensor(n, device=dev))
 
     def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None, chunk: Chunk) -> tuple[Tensor, Tensor]:
         """Write the chunk's real k, v [B, H_kv, T, D] (and queries q [B, H_q, T, D] into the ring); return
@@ -136,7 +138,7 @@ class KVCache:
         self.views()
 
     def protected(self, layer: int, row: int, protect_below: int, n_recent: int) -> Tensor:
-        """Slots of one row that always survive, [1, H_kv, S] bool: positions < protect_below, and the newest n_recent."""
+        """One row's slots that always survive, [1, H_kv, S] bool: positions < protect_below and the newest n_recent."""
         S = self.length[row]
         recent = torch.arange(S, device=self.pos.device) >= S - n_recent
         return (self.pos[layer, row : row + 1, :, :S] < protect_below) | recent

@@ -22,7 +22,8 @@ import time
 
 QWEN3_4B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6}
 TINY = {**QWEN3_4B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 

@@ -515,8 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversations (fidelity, perturbation)")
     shared.add_argument("--max-new-tokens", type=int, default=512, help="cap on each generated answer")
     shared.add_argument("--batch-size", type=int, default=None, help="problems or conversations decoded together "
-                        "(default: 16 on CPU, 64 on CUDA); in fp32 the tokens do not depend on it, but bf16 matmuls may "
-                        "round differently, so it is part of a row's key")
+                        "(default: 16 on CPU, 64 on CUDA); in fp32 the tokens do not depend on it, but bf16 "
+                        "matmuls may round differently, so it is part of a row's key")
     ap = Parser(description="Evaluate KV-cache eviction policies against the full cache.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench"]) + "}")
     p = sub.add_parser("fidelity", parents=[shared], help="teacher-forced KL / top-1 / NLL gap vs the full cache")

@@ -144,7 +144,7 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
     n = S - window
     q, q_pos = newest_queries(ctx, window)  # [B, H_q, w, D], [B, w]
     k = ctx.keys[:, :, :n].float()
-    logits = q.float().unflatten(1, (H_kv, -1)) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # [B, H_kv, n_rep, w, n]
+    logits = q.float().unflatten(1, (H_kv, -1)) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # [B, H_kv, rep, w, n]
     future = ctx.pos[:, :, None, None, :n] > q_pos[:, None, None, :, None]  # causal by position
     attn = logits.masked_fill(future, -math.inf).amax(2).softmax(-1).nan_to_num().mean(-2)  # [B, H_kv, n]
     attn = F.pad(F.max_pool1d(attn, kernel_size=7, stride=1, padding=3), (0, window))
@@ -282,7 +282,7 @@ def epikv_lag(ctx: ScoreCtx, chunk: int = 128) -> Tensor:
     """EPIKV lag-normalised KV, as the authors' code: K and V averaged over layers first; in chunks of 128 slots,
     each normalised per KV head and channel by the *previous* chunk's min/max; the first chunk left raw; std over
     D (torch's unbiased default), mean over heads; score = K part + V part.
-    note: the raw first chunk sits on another scale than the normalised ones, so the oldest 128 slots tend to survive."""
+    note: the raw first chunk sits on another scale than the normalised ones: the oldest 128 slots tend to survive."""
     if "lag" not in ctx.memo:  # every layer of the round gets the same score: compute it once
         total = 0
         for x in ctx.all_kv:  # [L, B, H_kv, S, D]
