@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from generate import (UsageError, cpu_threads, feed, load, make_cache, make_run, peak_memory_mb, policy_names,
-                      resolve_device)
+from generate import (UsageError, cpu_threads, feed, int_list, load, make_cache, make_run, peak_memory_mb,
+                      policy_names, resolve_device)
 from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
 
@@ -47,16 +47,6 @@ def add_arguments(ap):
                     "fp32 attention (the eager reference) for each context and batch size")
 
 
-def int_list(flag: str, value: str) -> list[int]:
-    try:
-        out = [int(c) for c in str(value).split(",")]
-    except ValueError:
-        raise UsageError(f"{flag} takes comma-separated integers (got {value!r})") from None
-    if min(out) < 1:
-        raise UsageError(f"{flag} values must be at least 1 (got {value})")
-    return out
-
-
 def jobs(args) -> list[dict]:
     """One dict of key fields per row: every policy x context x batch, then the eager rows. A key holds every
     setting that changes the row's figures."""
@@ -67,12 +57,12 @@ def jobs(args) -> list[dict]:
         raise UsageError(f"every context must exceed --steps {args.steps} + {WARMUP} warm-up + --prompt-len "
                          f"{args.prompt_len}: raise --contexts or lower --steps")
     names = policy_names(args.policies)
-    protect = getattr(args, "protect_prompt", None)
+    protect = args.protect_prompt
     for n in names:  # fail here, once, on a bad --budget / --buffer / prompt combination
         make_run(n, None if n == "full" else args.budget, args.buffer, protect, args.prompt_len)
-    device, dtype = resolve_device(getattr(args, "device", None), getattr(args, "dtype", None))
+    device, dtype = resolve_device(args.device, args.dtype)
     common = {"buffer": args.buffer, "steps": args.steps, "prompt_len": args.prompt_len, "threads": args.threads,
-              "protect": protect, "seed": getattr(args, "seed", 0), "model": args.model, "device": str(device),
+              "protect": protect, "seed": args.seed, "model": args.model, "device": str(device),
               "dtype": str(dtype)}
     rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget}
             for n in names for c in contexts for b in batches]
@@ -81,7 +71,7 @@ def jobs(args) -> list[dict]:
     return [{"task": "bench", **r, **common} for r in rows]
 
 
-def measure(args, job: dict) -> dict:
+def measure(job: dict) -> dict:
     """Measure one row in a fresh Python process (honest per-row peak memory) and return its result fields."""
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(job)],
                        capture_output=True, text=True)

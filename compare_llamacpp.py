@@ -11,6 +11,7 @@ both see the same machine load; we report every run and nanokv's ratio to llama.
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -63,10 +64,9 @@ def prompt_ids() -> list[int]:
 
 
 def nanokv_tok_s() -> float:
-    import torch
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # before numpy loads: 2 threads, as llama.cpp gets
     from generate import load, make_run, generate
 
-    torch.set_num_threads(2)
     model, _ = load(None, "cpu", None)
     ids = prompt_ids()
     _, _, t = generate(model, [ids], make_run("full", None, 64, None, len(ids)), STEPS + 1)  # no end token: 257

@@ -34,47 +34,43 @@ def check_kernels(device: str, dtypes, long_s: int = 2112) -> list[str]:
     import kernels
 
     g = torch.Generator().manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=g)
     lines = []
     for dtype in dtypes:
+        # made on the device in the dtype before any slicing, so the strided views below stay strided there
+        rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         x, w = rand(3, 37, 576), rand(576)
         cases = {"rms_norm": (kernels.rms_norm_triton, kernels.rms_norm_ref, (x, w, 1e-6))}
         q = rand(2, 37, 3 * 5 * 128)[..., : 5 * 128].view(2, 37, 5, 128).transpose(1, 2)  # strided, as from qkv
         ang = (torch.arange(37) + 1000 * torch.arange(2)[:, None])[..., None] / 1e6 ** (torch.arange(64) / 64)
-        cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([-ang.sin(), ang.sin()], -1).float()
+        cos, sin = (torch.cat(t, -1).float().to(device) for t in ([ang.cos()] * 2, [-ang.sin(), ang.sin()]))
         cases["rope"] = (kernels.rope_triton, kernels.rope_ref, (q, cos, sin))  # tables as model.rope_cos_sin
         for W, S in ((64, long_s), (200, 37)):  # a scorer's window over a full cache; a long window over a few keys
             qs, ks = rand(2, 32, W, 128) * 0.2, rand(2, 8, S, 128)
-            k_pos = torch.stack([torch.randperm(2 * S, generator=g)[:S] for _ in range(16)]).view(2, 8, S)
-            q_pos = torch.randint(0, 2 * S, (2, W), generator=g)
+            k_pos = torch.stack([torch.randperm(2 * S, generator=g)[:S] for _ in range(16)]).view(2, 8, S).to(device)
+            q_pos = torch.randint(0, 2 * S, (2, W), generator=g).to(device)
             q_pos[:, 0] = -1  # an empty ring slot
             cases[f"window_attn_mass W={W} S={S}"] = (kernels.window_attn_mass_triton, kernels.window_attn_mass_ref,
                                                       (qs, ks, q_pos, k_pos, 128**-0.5))
         for name, (fast, ref, args) in cases.items():
-            args = [a.to(device, dtype) if torch.is_tensor(a) and a.is_floating_point() else
-                    a.to(device) if torch.is_tensor(a) else a for a in args]
-            if name == "rope":  # cos and sin stay fp32 (model.rope_cos_sin)
-                args[1], args[2] = args[1].float(), args[2].float()
             got, want = fast(*args).float(), ref(*args).float()
             err = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
             lines.append(f"{'ok  ' if err <= tol else 'FAIL'} {name:34s} {str(dtype):15s} max rel. error {err:.2e}")
     return lines
 
 
-def check_policies(cfg: dict, device: str, dtype, budget: int, buffer: int, new_tokens: int, lens) -> list[str]:
-    """Every policy end to end: random weights of cfg's shape, prompts of `lens` tokens decoded together."""
+def check_policies(path: str, device: str, dtype, budget: int, buffer: int, new_tokens: int, lens) -> list[str]:
+    """Every policy end to end: random weights of the shape in config file `path`, prompts of `lens` tokens decoded
+    together."""
     import torch
     import bench
     import generate as G
     from policies import POLICIES
 
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "config.json")
-        json.dump(cfg, open(path, "w"))
-        model = bench.build_model(path, device, str(dtype).replace("torch.", ""))
+    model = bench.build_model(path, device, str(dtype).replace("torch.", ""))
+    vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(cfg["vocab_size"], (n,), generator=g).tolist() for n in lens]
+    prompts = [torch.randint(vocab, (n,), generator=g).tolist() for n in lens]
     lines = []
     for name in POLICIES:
         run = G.make_run(name, None if name == "full" else budget, buffer, False if name != "full" else None,
@@ -105,21 +101,23 @@ def main():
                           long_s=300 if args.smoke else 2112)
     print("\n".join(lines), flush=True)
     print("# 2. every policy end to end, random weights" + (" (tiny)" if args.smoke else " of Qwen3-4B's shape, bf16"))
-    if args.smoke:
-        more = check_policies(TINY, device, torch.float32, 48, 16, 60, (20, 33, 41, 50))
-    else:
-        more = check_policies(QWEN3_4B, device, torch.bfloat16, 256, 64, 320, (70, 130, 200, 260))
-    print("\n".join(more), flush=True)
-    lines += more
-    failed = sum(l.startswith("FAIL") for l in lines)
-    if not args.smoke:
-        print("# 3. python eval.py bench, Qwen3-4B shape, K = 2048, contexts up to 32,768, batch 1 and 16")
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(QWEN3_4B, f)
-        cmd = [sys.executable, "eval.py", "bench", "--model", f.name, "--policies", "full,snapkv,random,criticalkv",
-               "--budget", "2048", "--contexts", "8192,32768", "--batch-sizes", "1,16", "--steps", "128",
-               "--out", args.out]
-        failed += subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0
+    with tempfile.TemporaryDirectory() as d:  # the shape as a config.json, for step 2 and step 3's bench
+        path = os.path.join(d, "config.json")
+        with open(path, "w") as f:
+            json.dump(TINY if args.smoke else QWEN3_4B, f)
+        if args.smoke:
+            more = check_policies(path, device, torch.float32, 48, 16, 60, (20, 33, 41, 50))
+        else:
+            more = check_policies(path, device, torch.bfloat16, 256, 64, 320, (70, 130, 200, 260))
+        print("\n".join(more), flush=True)
+        lines += more
+        failed = sum(l.startswith("FAIL") for l in lines)
+        if not args.smoke:
+            print("# 3. python eval.py bench, Qwen3-4B shape, K = 2048, contexts up to 32,768, batch 1 and 16")
+            cmd = [sys.executable, "eval.py", "bench", "--model", path, "--policies", "full,snapkv,random,criticalkv",
+                   "--budget", "2048", "--contexts", "8192,32768", "--batch-sizes", "1,16", "--steps", "128",
+                   "--out", args.out]
+            failed += subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0
     sys.exit(f"error: {failed} check(s) failed" if failed else 0)
 
 

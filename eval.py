@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from generate import (Parser, UsageError, add_device_args, feed, generate, load, make_cache, make_run, policy_names,
-                      resolve_device)
+from generate import (Parser, UsageError, add_device_args, feed, generate, int_list, load, make_cache, make_run,
+                      policy_names, resolve_device)
 from model import ModelError
 from policies import POLICIES
 from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
@@ -128,8 +128,8 @@ def traces(args, lab: dict) -> list[dict]:
     """The packed fidelity traces, cached beside --out so that a rerun does not regenerate them."""
     if "traces" in lab:
         return lab["traces"]
-    key = {"model": model_key(args.model), "data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
-           "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
+    key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
+           "max_new_tokens": args.max_new_tokens, **model_settings(args)}
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json_file(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
@@ -232,11 +232,9 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
 
 
 def probe(args, job: dict, lab: dict) -> dict:
-    model, tok = model_of(args, lab)
-    rows = load_data(args.data)
+    model, _ = model_of(args, lab)
     recall = logprob = 0.0
-    for i in range(args.n):
-        pr = build_probe(tok, rows, i, args.seed, job["probe"], job["where"], args.gap)
+    for pr in lab["probes"]:  # built by check_jobs
         a, b = pr["answer"]
         lp = replay(model, pr["ids"], run_for(job, args, pr["prompt_len"]), start=a - 1)[: b - a].log_softmax(-1)
         want = torch.tensor(pr["ids"][a:b])[:, None]
@@ -351,13 +349,18 @@ def model_key(model: str | None) -> str:
     return f"{Path(model).resolve()}@{file_hash(cfg)}" if cfg.is_file() else str(model)
 
 
+def model_settings(args) -> dict:
+    """What the model computes on, in every row's key and the traces' key. note: the batch size too: batched matmuls
+    may round differently in bf16 on a GPU."""
+    device, dtype = resolve_device(args.device, args.dtype)
+    return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
+            "batch_size": args.batch_size}
+
+
 def make_jobs(args) -> list[dict]:
     """Key fields of each row: the full cache first (the reference), then every policy x budget. The key holds
     every setting that changes a row's result, so a rerun with another setting computes a new row."""
-    try:
-        budgets = [int(b) for b in args.budgets.split(",")]
-    except ValueError:
-        raise UsageError(f"--budgets takes comma-separated integers (got {args.budgets!r})") from None
+    budgets = int_list("--budgets", args.budgets)
     names = policy_names(args.policies, full=False)
     protect = lambda p: POLICIES[p].protect_prompt if args.protect_prompt is None else args.protect_prompt
     jobs = [] if args.cmd == "perturbation" else [{"policy": "full", "budget": None, "protect": None}]
@@ -367,11 +370,8 @@ def make_jobs(args) -> list[dict]:
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
-    device, dtype = resolve_device(args.device, args.dtype)
-    # note: the batch size is in the key too: batched matmuls may round differently in bf16 on a GPU
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
-              "seed": args.seed, "model": model_key(args.model), "device": torch.device(device).type,
-              "dtype": str(dtype), "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens}
+              "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
 
 
@@ -386,7 +386,8 @@ def check_jobs(args, jobs: list[dict], lab: dict):
         lens = [len(tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}]))) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
     elif args.cmd == "probe":
-        pr = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap) for i in range(args.n)]
+        pr = lab["probes"] = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap)
+                              for i in range(args.n)]  # every job replays these same probes
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
     else:  # fidelity / perturbation: the first turns are the n shortest problems' (the conversations' openers)
         if args.n > len(rows):
@@ -475,7 +476,8 @@ def run_jobs(args, jobs: list[dict], measure) -> list[dict]:
     path = Path(args.out) if args.out else None
     mine: list[dict] = []
     done = lambda job, rows: any(all(r.get(k) == v for k, v in job.items()) for r in rows)
-    for job in tqdm([j for j in jobs if not done(j, rows_of(path) if path else [])], desc=args.cmd):
+    have = rows_of(path) if path else []
+    for job in tqdm([j for j in jobs if not done(j, have)], desc=args.cmd):
         if path and done(job, rows_of(path)):  # another sweep on the same --out finished it meanwhile
             continue
         row = {**job, **measure(job)}
@@ -544,7 +546,7 @@ def main(argv=None):
             import bench
 
             jobs = bench.jobs(args)
-            measure = lambda job: bench.measure(args, job)
+            measure = bench.measure
         else:
             load_data(args.data)  # fail on a bad file before loading the model
             if args.batch_size is None:

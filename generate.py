@@ -5,7 +5,8 @@ Generate text with a KV-cache eviction policy: prefill, decode loop, eviction ca
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
 slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
-Left out: batching of different-length prompts, speculative decoding, paged memory.
+Several prompts of different lengths decode as one batch, each row on its own eviction cadence.
+Left out: rows joining a running batch (continuous batching), speculative decoding, paged memory.
 """
 
 import argparse
@@ -96,6 +97,17 @@ def policy_names(arg: str, full: bool = True) -> list[str]:
         if p not in POLICIES:
             raise UsageError(f"unknown policy {p!r} in --policies: choose from all, {', '.join(sorted(POLICIES))}")
     return [p for p in names if full or p != "full"]
+
+
+def int_list(flag: str, value: str) -> list[int]:
+    """A comma list of positive integers, e.g. --budgets 128,256 -> [128, 256]; one-line errors."""
+    try:
+        out = [int(c) for c in str(value).split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers (got {value!r})") from None
+    if min(out) < 1:
+        raise UsageError(f"{flag} values must be at least 1 (got {value})")
+    return out
 
 
 def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int | list[int],

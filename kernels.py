@@ -30,7 +30,8 @@ def _jit(fn):
 # ----------------------------------------------------------------------------------------------------------------
 # The matmul of every layer, x @ w.T for an HF-shaped weight w [out, in]. No Triton here: the dispatch rule is the
 # point. On CPU in fp32 we call numpy's BLAS (OpenBLAS): on the small matrices of a decode step it reads the weights
-# 1.3x (one row) to 2x (4-16 rows) faster than torch's MKL on the AMD CPUs we measured (README, "Decode speed").
+# 1.3x (one row) to 2x (4-16 rows) faster than torch's MKL on the AMD CPUs we measured (README, "Batch-1 decode
+# beside llama.cpp").
 # subtle: only while torch itself runs one thread (generate.cpu_threads). OpenBLAS brings its own thread pool, and
 # two pools busy-waiting on the same cores fight: decode fell from 16 to 3.4 tokens/s when both had 2 threads.
 # model.weight() stores w as the transpose of a contiguous [in, out] buffer, the layout both BLASes read fastest.

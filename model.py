@@ -135,7 +135,8 @@ def sliding_settings(c: dict, mt: str, path: Path) -> dict:
     window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
     types = c.get("layer_types")
     if types is None:
-        first = c.get("max_window_layers", 0) if mt in ("qwen2", "qwen3") else 0
+        # transformers' Qwen2Config / Qwen3Config default max_window_layers to 28
+        first = c.get("max_window_layers", 28) if mt in ("qwen2", "qwen3") else 0
         types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(L)]
     if not isinstance(types, list) or len(types) != L:
         raise ModelError(f"{path}: layer_types must list one type for each of the {L} layers")
@@ -282,9 +283,10 @@ class Attention(nn.Module):
         window = self.window if chunk.end > self.window else 0  # the window binds once a query is W past 0
         if chunk.start is not None and T > 1 and not window and not self.eager:
             # every row alike: the held slots are all older than the chunk, which is causal among itself, i.e. a
-            # causal mask aligned to the bottom right; SDPA takes it without building it (FlashAttention on CUDA)
-            causal = dict(is_causal=True) if chunk.start == 0 else dict(attn_mask=causal_lower_right(T, keys.shape[2]))
-            y = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
+            # causal mask aligned to the bottom right; SDPA takes it without building it (FlashAttention on CUDA),
+            # and as plain is_causal when the chunk is all there is (T = S)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, keys.shape[2]),
+                                               enable_gqa=True)
         else:
             # in a decode step of equally long rows every query reads every held slot; else mask by position
             plain = T == 1 and chunk.start is not None and not window

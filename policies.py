@@ -50,10 +50,10 @@ class ScoreCtx:
 # shared helpers (one place for each idea)
 
 
-def newest_queries(ctx: ScoreCtx, w: int | None) -> tuple[Tensor, Tensor]:
-    """The w newest queries of the ring [B, H_q, w, D] and their positions [B, w] (all of the ring for None)."""
+def newest_queries(ctx: ScoreCtx, w: int) -> tuple[Tensor, Tensor]:
+    """The w newest queries of the ring [B, H_q, w, D] and their positions [B, w]."""
     q, q_pos = ctx.queries, ctx.q_pos
-    if w is None or w >= q_pos.shape[1]:
+    if w >= q_pos.shape[1]:
         return q, q_pos
     newest = q_pos.topk(w, dim=-1).indices  # [B, w]: the ring is unordered, position % w
     return q.gather(2, newest[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3])), q_pos.gather(1, newest)
@@ -62,7 +62,7 @@ def newest_queries(ctx: ScoreCtx, w: int | None) -> tuple[Tensor, Tensor]:
 def window_attention(ctx: ScoreCtx, n_keys: int | None = None) -> Tensor:
     """Mean softmax attention that each of the first n_keys held keys (default all) gets from the ring's queries,
     each query normalised over those keys it may see (causal by position). Returns [B, H_q, n_keys]."""
-    q, q_pos = newest_queries(ctx, None)
+    q, q_pos = ctx.queries, ctx.q_pos
     keys, pos = ctx.keys[:, :, :n_keys], ctx.pos[:, :, :n_keys]
     mass = window_attn_mass(q, keys, q_pos, pos, 1.0 / math.sqrt(keys.shape[-1]))
     return mass / (q_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
@@ -324,7 +324,7 @@ POLICIES = {
     "epikv-band": Policy(epikv, protect_prompt=True, side=("epikv",),
                          observe=partial(epikv_observe, bands=True, weights=(1.29, 1.0))),
     "epikv-lag": Policy(epikv_lag, protect_prompt=True),
-    # VASE's ablations (issue: test each half of its claim): one knob of the same scorer each
+    # VASE's ablations, one knob of the same scorer each: they test the two halves of its claim
     "vase-topk": Policy(partial(vase, sample=False), window="buffer"),
     "vase-noreserve": Policy(partial(vase, reserve=0), window="buffer"),
     "vase-adversary": Policy(partial(vase, sample=False, reserve=-1, weights=snapkv_attention), window="buffer"),

@@ -57,7 +57,7 @@ def sliding_layers(c) -> list[bool]:
         return [t == "sliding_attention" for t in c["layer_types"]]
     if c["model_type"] == "mistral":
         return [bool(c.get("sliding_window"))] * L
-    return [bool(c.get("use_sliding_window")) and i >= c.get("max_window_layers", 0) for i in range(L)]
+    return [bool(c.get("use_sliding_window")) and i >= c.get("max_window_layers", 28) for i in range(L)]
 
 
 def tiny_dir(path, seed=0, **over) -> str:
@@ -1125,7 +1125,7 @@ def test_bench_rows(tmp_path):
     todo = bench.jobs(args)
     assert [(j["policy"], j["context"], j["batch"]) for j in todo][:3] == [("full", 160, 1), ("full", 160, 3), ("full", 288, 1)]
     for i, job in enumerate(todo):  # one row through the real path (a fresh subprocess), the rest in-process
-        row = bench.measure(args, job) if i == len(todo) - 1 else bench.measure_here(job)
+        row = bench.measure(job) if i == len(todo) - 1 else bench.measure_here(job)
         json.dumps(row)  # plain JSON
         assert BENCH_FIELDS <= row.keys(), row
         assert row["ms_per_step"] > 0 and row["tok_s"] > 0 and row["roofline"] > 0 and row["peak_mb"] > 0
