@@ -38,12 +38,15 @@ def _jit(fn):
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w.T -> [..., out]."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.get_num_threads() == 1:
+    """x [..., in] @ w.T -> [..., out] for a weight w [out, in], or for a stack of them w [..., out, in] that pairs
+    with x's leading dims (e.g. R-KV's key-key similarity k @ k.T of every head)."""
+    if x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and torch.get_num_threads() == 1:
+        if w.dim() > 2:  # one BLAS call per matrix of the stack
+            return torch.from_numpy(x.numpy() @ w.numpy().swapaxes(-1, -2))
         # numpy views of both (no copy); one BLAS call for every row of every batch row
         y = x.numpy().reshape(-1, x.shape[-1]) @ w.numpy().T
         return torch.from_numpy(y).view(*x.shape[:-1], w.shape[0])
-    return x @ w.T
+    return x @ w.transpose(-1, -2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

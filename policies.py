@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import window_attn_mass
+from kernels import linear, window_attn_mass
 
 BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for protected slots
 
@@ -143,20 +143,25 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
     window = min(window, ctx.buffer)  # with a buffer under 8 the window's keys would include candidates
     n = S - window
     q, q_pos = newest_queries(ctx, window)  # [B, H_q, w, D], [B, w]
-    k = ctx.keys[:, :, :n].float()
-    logits = q.float().unflatten(1, (H_kv, -1)) @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)  # [B, H_kv, rep, w, n]
+    # each KV head's group of queries as the rows of one matrix: [B, H_kv, rep * w, D] @ [B, H_kv, D, n]
+    logits = (q.float().reshape(B, H_kv, -1, D) @ ctx.keys[:, :, :n].float().transpose(-1, -2) / math.sqrt(D))
+    logits = logits.view(B, H_kv, -1, window, n)  # [B, H_kv, rep, w, n]
     future = ctx.pos[:, :, None, None, :n] > q_pos[:, None, None, :, None]  # causal by position
-    attn = logits.masked_fill(future, -math.inf).amax(2).softmax(-1).nan_to_num().mean(-2)  # [B, H_kv, n]
+    attn = logits.masked_fill_(future, -math.inf).amax(2).softmax(-1).nan_to_num().mean(-2)  # [B, H_kv, n]
     attn = F.pad(F.max_pool1d(attn, kernel_size=7, stride=1, padding=3), (0, window))
     k = F.normalize(ctx.keys.float(), dim=-1)
-    sim = k @ k.transpose(-1, -2)  # [B, H_kv, S, S] cosine similarity of every pair of cached keys
+    sim = linear(k, k)  # [B, H_kv, S, S] cosine similarity of every pair of cached keys, k @ k.T
     sim.diagonal(dim1=-2, dim2=-1).fill_(0.0)  # a key is not its own look-alike
     # subtle: in each key's row, the entry of its newest look-alike (similarity > threshold) is zeroed, so the
     # latest copy of a repeated passage is penalised least. As in R-KV's code, a key with no look-alike zeroes its
-    # entry for key 0 instead. newest = 1 + index of that look-alike, 0 = none.
-    newest = ((sim > threshold) * torch.arange(1, S + 1, device=sim.device, dtype=torch.int32)).amax(-1)
+    # entry for key 0 instead. newest = 1 + index of that look-alike, 0 = none. The S x S passes are R-KV's whole
+    # cost, so the similarity goes through OpenBLAS's threads (kernels.linear) and the search runs in place
+    newest = sim.gt_(threshold).mul_(torch.arange(1, S + 1, device=sim.device, dtype=sim.dtype)).amax(-1)
     j = (newest.long() - 1).clamp(min=0)  # [B, H_kv, S]
-    spared = sim.gather(-1, j[..., None])[..., 0]  # sim[i, j(i)], taken back out of column j(i) below
+    # spared = sim[i, j(i)], taken back out of column j(i) below; sim now holds 0/1 x index, so we recompute the
+    # dot products k_i . k_j(i) (S x D work). Key 0 with no look-alike points at itself: its diagonal entry, 0
+    k_j = k.view(-1, D).index_select(0, (j + torch.arange(B * H_kv, device=j.device).view(B, H_kv, 1) * S).view(-1))
+    spared = (k * k_j.view(B, H_kv, S, D)).sum(-1).masked_fill(j == torch.arange(S, device=j.device), 0.0)
     # the column sums of sim are k_j . sum_i k_i minus its zeroed diagonal k_j . k_j: S x D work, not an S x S pass
     col_sums = (k @ k.sum(-2, keepdim=True).transpose(-1, -2))[..., 0] - k.square().sum(-1)  # [B, H_kv, S]
     redundancy = (col_sums.scatter_add(-1, j, -spared) / S).softmax(-1)  # mean over rows, [B, H_kv, S]

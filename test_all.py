@@ -528,6 +528,27 @@ def test_rkv_redundancy_spares_the_newest_copy():
     assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
 
 
+def test_rkv_redundancy_as_rkv_code_loops():
+    """rkv's redundancy (lam = 0) = R-KV's code as loops over the S x S cosine similarity: diagonal 0, in each row
+    the newest look-alike (> 0.5) zeroed, or entry 0 when there is none (key 0 then points at its own 0 diagonal),
+    mean over rows, softmax over keys. Repeats and a lone key 0 make every branch count."""
+    S = 12
+    ctx = ctx_for(S=S, H_kv=2, n_rep=1, budget=6, buffer=1, prompt=0, w=8, seed=5)
+    ctx.keys[0, :, 5] = ctx.keys[0, :, 2] + 0.1  # look-alikes at 2, 5 and 9 in both heads
+    ctx.keys[0, :, 9] = ctx.keys[0, :, 2] * 2
+    ctx.keys[0, 1, 0] = -ctx.keys[0, 1, 1:].sum(0)  # head 1: key 0 unlike the rest
+    got = -P.rkv(ctx, lam=0.0)[0]  # lam * attention - (1 - lam) * redundancy, lam = 0
+    for h in range(2):
+        k = torch.nn.functional.normalize(ctx.keys[0, h].double(), dim=-1)
+        sim = (k @ k.T).tolist()
+        for i in range(S):
+            sim[i][i] = 0.0
+            alike = [j for j in range(S) if sim[i][j] > 0.5]
+            sim[i][alike[-1] if alike else 0] = 0.0
+        mean = torch.tensor(sim).mean(0)
+        torch.testing.assert_close(got[h], mean.softmax(-1).float(), **TOL)
+
+
 def test_vase_reserve_holds_the_sinks():
     """vase: N_v = K/4 counts the 4 protected sinks, so K/4 - 4 unprotected widest-range values are reserved, and
     they are the top of the range among the candidates."""
