@@ -137,33 +137,34 @@ class KVCache:
         self.length, self.next_pos, self.rows = ([x[b] for b in keep] for x in (self.length, self.next_pos, self.rows))
         self.views()
 
-    def protected(self, layer: int, row: int, protect_below: int, n_recent: int) -> Tensor:
-        """One row's slots that always survive, [1, H_kv, S] bool: positions < protect_below and the newest n_recent."""
-        S = self.length[row]
+    def protected(self, layer: int, rows: slice, protect_below: Tensor, n_recent: int) -> Tensor:
+        """[n, H_kv, S] bool: the slots of batch rows `rows` (n rows, each holding S slots) that always survive:
+        positions below each row's protect_below [n] and the newest n_recent."""
+        S = self.length[rows.start]
         recent = torch.arange(S, device=self.pos.device) >= S - n_recent
-        return (self.pos[layer, row : row + 1, :, :S] < protect_below) | recent
+        return (self.pos[layer, rows, :, :S] < protect_below[:, None, None]) | recent
 
-    def evict(self, row: int, scores: list[Tensor], protected: list[Tensor], keep: int):
-        """Keep the `keep` best slots of each KV head of one row, in every layer: the `protected` ones ([1, H_kv, S]
-        bool, see protected()) always survive, the rest go by highest score. scores[layer] is [1, H_kv or 1, S];
-        a single row of scores means one token set for all heads of that layer."""
-        S, cap = self.length[row], self.capacity
-        r = slice(row, row + 1)
+    def evict(self, rows: slice, scores: list[Tensor], protected: list[Tensor], keep: int):
+        """Keep the `keep` best slots of each KV head of batch rows `rows` (n rows, each holding S slots), in every
+        layer: the `protected` ones ([n, H_kv, S] bool, see protected()) always survive, the rest go by highest
+        score. scores[layer] is [n, H_kv or 1, S]; a single row of scores means one token set for all heads."""
+        S, cap = self.length[rows.start], self.capacity
         for layer, (s, p) in enumerate(zip(scores, protected)):
-            k, v, pos = self.k[layer, row], self.v[layer, row], self.pos[layer, r]  # [H_kv, cap, D], [1, H_kv, cap]
-            H, _, D = k.shape
-            s = s.float().nan_to_num(nan=-float("inf")).expand(1, H, S)  # a NaN must never outrank +inf
+            k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
+            n, H, _, D = k.shape
+            s = s.float().nan_to_num(nan=-float("inf")).expand(n, H, S)  # a NaN must never outrank +inf
             s = s.masked_fill(p, float("inf"))
             # keep the top `keep`, then restore temporal order so slots stay sorted by position
-            idx = s.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [1, H_kv, keep]
-            # the kept slots of every head as rows of a [H_kv * cap, D] view: one index_select moves whole
+            idx = s.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [n, H_kv, keep]
+            # the kept slots of every (row, head) as rows of a [n * H_kv * cap, D] view: one index_select moves whole
             # D-vectors (a gather with an expanded index moves them a float at a time, ~8x slower on CPU)
-            flat = (idx[0] + torch.arange(H, device=idx.device)[:, None] * cap).view(-1)  # [H_kv * keep]
+            flat = (idx + torch.arange(n * H, device=idx.device).view(n, H, 1) * cap).view(-1)  # [n * H_kv * keep]
             # note: index_select reads everything before the write-back, so overlapping ranges are safe
-            k[:, :keep] = k.view(H * cap, D).index_select(0, flat).view(H, keep, D)
-            v[:, :keep] = v.view(H * cap, D).index_select(0, flat).view(H, keep, D)
+            k[:, :, :keep] = k.reshape(n * H * cap, D).index_select(0, flat).view(n, H, keep, D)
+            v[:, :, :keep] = v.reshape(n * H * cap, D).index_select(0, flat).view(n, H, keep, D)
             pos[:, :, :keep] = pos[:, :, :S].gather(2, idx)
             pos[:, :, keep:S] = FREE
             for side in self.side.values():
-                side[layer, r, :, :keep] = side[layer, r, :, :S].gather(2, idx)
-        self.length[row] = keep
+                side[layer, rows, :, :keep] = side[layer, rows, :, :S].gather(2, idx)
+        for b in range(rows.start, rows.stop):
+            self.length[b] = keep

@@ -159,38 +159,61 @@ def seed_of(*parts: int) -> int:
 # prefill, decode, eviction
 
 
-def evict_round(model, cache: KVCache, run: Run, b: int):
-    """Score every layer of batch row b, then evict every layer of it back to the budget."""
-    row = cache.rows[b]  # the row's index in the request: its draws and its state follow it, not its batch slot
+def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
+    """Score every layer of batch rows b .. b + n - 1 together, then evict every layer of them back to the budget.
+    The rows are all due (each holds budget + buffer slots), and all in their first round or all past it."""
+    rows = cache.rows[b : b + n]  # their indices in the request: draws and state follow them, not their batch slots
     if run.watch:
-        run.watch(cache, b, "before")
+        for i in range(b, b + n):
+            run.watch(cache, i, "before")
     t0 = time.perf_counter()
-    S, r = cache.length[b], slice(b, b + 1)  # one row at a time: views into the cache, no copies
+    S, r, dev = cache.length[b], slice(b, b + n), cache.k.device  # views into the cache, no copies
     all_kv = (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
+    below = torch.tensor([run.protect_below[row] for row in rows], device=dev)  # [n]
+    next_pos = torch.tensor(cache.next_pos[b : b + n], device=dev)[:, None, None]  # [n, 1, 1]
     memo = {}  # shared by this round's layers (e.g. epikv-lag scores all layers at once)
     scores, masks = [], []
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
-        pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, b, run.protect_below[row], run.buffer)
-        g = torch.Generator(cache.k.device).manual_seed(seed_of(run.seed, run.ids[row], layer, run.rounds[row]))
+        pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, r, below, run.buffer)
+        gens = [torch.Generator(dev).manual_seed(seed_of(run.seed, run.ids[row], layer, run.rounds[row]))
+                for row in rows]  # one per row: its draws do not depend on the rows scored beside it
         ctx = ScoreCtx(layer=layer, keys=cache.k[layer, r, :, :S], values=cache.v[layer, r, :, :S], pos=pos,
                        protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],
-                       wo=blk.self_attn.o_proj.weight, side={n: s[layer, r, :, :S] for n, s in cache.side.items()},
-                       all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generator=g,
-                       fresh=run.budget if run.rounds[row] else 0, memo=memo)
+                       wo=blk.self_attn.o_proj.weight, side={k: s[layer, r, :, :S] for k, s in cache.side.items()},
+                       all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generators=gens,
+                       fresh=run.budget if run.rounds[rows[0]] else 0, memo=memo)
         s = run.policy.score(ctx)
         if blk.self_attn.window and s.shape[1] > 1:  # a sliding layer never again sees keys that left its window:
             # they go first (not for one-set scorers such as EPIKV, whose layers must keep the same positions)
-            s = s.masked_fill(pos <= cache.next_pos[b] - blk.self_attn.window, -float("inf"))
+            s = s.masked_fill(pos <= next_pos - blk.self_attn.window, -float("inf"))
         scores.append(s)
         masks.append(protected)
-    cache.evict(b, scores, masks, run.budget)
+    cache.evict(r, scores, masks, run.budget)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
-    run.rounds[row] += 1
+    for row in rows:
+        run.rounds[row] += 1
     run.evict_s += time.perf_counter() - t0
     if run.watch:
-        run.watch(cache, b, "after")
+        for i in range(b, b + n):
+            run.watch(cache, i, "after")
+
+
+def evict_due(model, cache: KVCache, run: Run):
+    """Evict every row that holds budget + buffer slots. Neighbouring rows due in the same step are scored together,
+    one scorer call per layer for all of them: a decode step of 16 rows of the same length would otherwise pay
+    the per-call overhead 16 times. A run of neighbours splits where first rounds meet later ones (`fresh`)."""
+    due = [run.budget is not None and length == run.budget + run.buffer for length in cache.length]
+    first = [run.rounds[row] == 0 for row in cache.rows]
+    b = 0
+    while b < cache.batch:
+        n = 0
+        while b + n < cache.batch and due[b + n] and first[b + n] == first[b]:
+            n += 1
+        if n:
+            evict_round(model, cache, run, b, n)
+        b += max(n, 1)
 
 
 def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = None,
@@ -218,9 +241,7 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = 
         if run.policy.observe:
             run.policy.observe(cache, out, run)
         run.max_slots = max(run.max_slots, *cache.length)
-        for b in range(cache.batch):
-            if run.budget is not None and cache.length[b] == run.budget + run.buffer:
-                evict_round(model, cache, run, b)
+        evict_due(model, cache, run)
         if out_logits is None:
             out_logits = out.logits.new_zeros(B, T if all_logits else 1, out.logits.shape[-1])
         for b, (d, t) in enumerate(zip(done, take)):  # each row's real logits go to its own columns

@@ -233,21 +233,27 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
     qg = (q.float() * scale).unflatten(1, (H_kv, n_rep))  # [B, H_kv, n_rep, W, D]
     kt = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
     out = torch.zeros((B, H_kv, n_rep, 1, S), dtype=torch.float32, device=q.device)
-    # query chunks bound the [B, H_kv, n_rep, chunk, S] logits to ~16 MB when H2O feeds a whole prefill chunk
-    chunk = max(1, 2**22 // (B * H_q * S))
-    for w0 in range(0, W, chunk):
-        qc, pc = qg[:, :, :, w0:w0 + chunk], q_pos[:, w0:w0 + chunk]  # pc [B, Wc]
-        Wc = qc.shape[3]
-        logits = (qc.reshape(B, H_kv, n_rep * Wc, D) @ kt).view(B, H_kv, n_rep, Wc, S)
-        # causal by token position, not by slot; one mask broadcast over the group: [B, H_kv, 1, Wc, S]
-        pc = pc[:, None, None, :, None]  # [B, 1, 1, Wc, 1]
-        masked = (k_pos[:, :, None, None, :] > pc) | (pc < 0)
-        # subtle: the most negative float, not -inf, so a query with no valid key gets a uniform row and no NaN;
-        # any valid key still pushes the masked ones to exp(-huge) = 0
-        probs = torch.softmax(logits.masked_fill_(masked, torch.finfo(torch.float32).min), dim=-1)
-        # sum over the chunk's queries as a matmul whose 0/1 weights also drop the keyless queries' rows
-        live = (~masked.all(-1, keepdim=True)).float()  # [B, H_kv, 1, Wc, 1]
-        out += live.transpose(-1, -2) @ probs  # [B, H_kv, n_rep, 1, S]
+    # passes over chunks of queries and of rows bound the [rows, H_kv, n_rep, chunk, S] logits to ~16 MB when H2O
+    # feeds a whole prefill chunk. subtle: the query chunk depends on no row count, so a row sums its queries in
+    # the same order whether it is scored alone or in a batch (batched rows must equal their unbatched runs)
+    chunk = max(1, 2**22 // (H_q * S))
+    rows = max(1, 2**22 // (H_q * min(W, chunk) * S))
+    for b0 in range(0, B, rows):
+        b = slice(b0, b0 + rows)
+        for w0 in range(0, W, chunk):
+            qc, pc = qg[b, :, :, w0:w0 + chunk], q_pos[b, w0:w0 + chunk]  # pc [Bc, Wc]
+            Bc, Wc = qc.shape[0], qc.shape[3]
+            logits = (qc.reshape(Bc, H_kv, n_rep * Wc, D) @ kt[b]).view(Bc, H_kv, n_rep, Wc, S)
+            # causal by token position, not by slot; one mask broadcast over the group: [Bc, H_kv, 1, Wc, S]
+            pc = pc[:, None, None, :, None]  # [Bc, 1, 1, Wc, 1]
+            masked = (k_pos[b, :, None, None, :] > pc) | (pc < 0)
+            # subtle: the most negative float, not -inf, so a query with no valid key gets a uniform row and no NaN;
+            # any valid key still pushes the masked ones to exp(-huge) = 0
+            probs = torch.softmax(logits.masked_fill_(masked, torch.finfo(torch.float32).min), dim=-1)
+            # sum over the chunk's queries as a matmul whose 0/1 weights also drop the keyless queries' rows: a query
+            # sees some key when it is not an empty slot and not older than the head's oldest key
+            live = ((pc >= 0) & (pc >= k_pos[b, :, None, None].amin(-1, keepdim=True))).float()  # [Bc, H_kv, 1, Wc, 1]
+            out[b] += live.transpose(-1, -2) @ probs  # [Bc, H_kv, n_rep, 1, S]
     return out.view(B, H_q, S)
 
 

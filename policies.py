@@ -26,7 +26,8 @@ BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for p
 
 @dataclass
 class ScoreCtx:
-    """What a scorer sees of one layer of one batch row (eviction scores the rows one at a time, so B = 1)."""
+    """What a scorer sees of one layer of the B batch rows it scores together (rows due in the same step). Each row
+    must score as it would alone: per-row draws (see draw), no op that mixes rows."""
 
     layer: int
     keys: Tensor  # [B, H_kv, S, D] post-RoPE; S = K + r
@@ -41,8 +42,8 @@ class ScoreCtx:
     cfg: object  # ModelConfig
     budget: int  # K: slots held right after an eviction, recent buffer included
     buffer: int  # r: the newest slots, never evicted; the candidates are the other S - r
-    generator: torch.Generator  # seeded by (seed, row, layer, eviction round)
-    fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset)
+    generators: list  # one torch.Generator per row, seeded by (seed, row, layer, eviction round)
+    fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset), every row
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
 
 
@@ -85,17 +86,25 @@ def snapkv_attention(ctx: ScoreCtx, buffer_in_softmax: bool = True) -> Tensor:
     return F.pad(group_mean(a, ctx.cfg.n_rep), (0, ctx.buffer))
 
 
-def top_candidates(x: Tensor, protected: Tensor, n: int) -> Tensor:
-    """Bool mask [B, H_kv, S] of the n highest x among unprotected slots."""
+def top_candidates(x: Tensor, protected: Tensor, n: int | Tensor) -> Tensor:
+    """Bool mask [B, H_kv, S] of the n highest x among unprotected slots; n an int or one per row [B]."""
     x = x.masked_fill(protected, -math.inf)
-    n = max(0, min(n, x.shape[-1]))
-    return torch.zeros_like(protected).scatter_(-1, x.topk(n, dim=-1).indices, True) & ~protected
+    n = torch.as_tensor(n, device=x.device).clamp(0, x.shape[-1]).view(-1, 1, 1)  # [B or 1, 1, 1]
+    top = x.topk(int(n.max()), dim=-1).indices  # [B, H_kv, max n], best first
+    first_n = (torch.arange(top.shape[-1], device=x.device) < n).expand_as(top)  # each row's own n of them
+    return torch.zeros_like(protected).scatter_(-1, top, first_n) & ~protected
 
 
-def gumbel_log_weights(weights: Tensor, g: torch.Generator) -> Tensor:
+def draw(ctx: ScoreCtx, fn: Callable, *shape: int) -> Tensor:
+    """[B, *shape] random numbers from fn (torch.rand or torch.randn), row b from its own generator: a row's draws
+    are the same whether it is scored alone or beside others."""
+    return torch.stack([fn(*shape, generator=g, device=ctx.keys.device) for g in ctx.generators])
+
+
+def gumbel_log_weights(weights: Tensor, ctx: ScoreCtx) -> Tensor:
     """Sampling without replacement with probability proportional to weights, as a score:
     top-k of log(w) + Gumbel noise draws k items exactly as successive weighted draws would."""
-    u = torch.rand(weights.shape, generator=g, device=weights.device).clamp_(1e-20, 1.0)
+    u = draw(ctx, torch.rand, *weights.shape[1:]).clamp_(1e-20, 1.0)
     return weights.clamp(min=1e-20).log() - (-u.log()).log()
 
 
@@ -170,7 +179,7 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
 
 def random_(ctx: ScoreCtx) -> Tensor:
     """Random Attention: protect the prompt, then keep uniformly random tokens, independently per KV head."""
-    return torch.rand(ctx.pos.shape, generator=ctx.generator, device=ctx.pos.device)
+    return draw(ctx, torch.rand, *ctx.pos.shape[1:])
 
 
 def candidate_attention(ctx: ScoreCtx) -> Tensor:
@@ -187,21 +196,21 @@ def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate
     widest-range values first (vase-adversary)."""
     n = ctx.keys.shape[2] - ctx.buffer
     s = weights(ctx)  # [B, H_kv, S]
-    s = gumbel_log_weights(s, ctx.generator) if sample else s
+    s = gumbel_log_weights(s, ctx) if sample else s
     if not reserve:
         return s
     v = ctx.values.float()
-    n_v = ctx.budget // 4 - int(ctx.protected[0, 0, :n].sum())  # the sinks (or a protected prompt) fill part of it
+    n_v = ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)  # [B]: the sinks (or a protected prompt) fill part of it
     widest = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, n_v)
     return s.masked_fill(widest, BIG * reserve)
 
 
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian
-    sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (the generator is seeded per layer and round)."""
-    D = ctx.keys.shape[-1]
-    G = torch.randn(D, rank, generator=ctx.generator, device=ctx.keys.device) / math.sqrt(rank)
-    return (ctx.keys.float() @ G).square().sum(-1) * (ctx.values.float() @ G).square().sum(-1)
+    sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (each row's generator is seeded per row, layer and round)."""
+    G = draw(ctx, torch.randn, ctx.keys.shape[-1], rank) / math.sqrt(rank)  # [B, D, rank], one sketch per row
+    leverage = lambda x: torch.stack([(x[b].float() @ G[b]).square().sum(-1) for b in range(len(G))])  # [B, H_kv, S]
+    return leverage(ctx.keys) * leverage(ctx.values)
 
 
 def value_norms(values: Tensor, wo: Tensor) -> Tensor:
@@ -222,7 +231,8 @@ def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: fl
     each value makes to the layer output. A value's norm never changes, so we compute it once per slot and carry it."""
     s = base(ctx)  # [B, H_kv, S]
     norms = ctx.side["vnorm"]  # a view into the cache's side state: filled here, gathered on eviction
-    norms[..., ctx.fresh :] = value_norms(ctx.values[:, :, ctx.fresh :], ctx.wo)
+    # note: row by row, as a matmul over several rows' slots may round differently from one over a row's own
+    norms[..., ctx.fresh :] = torch.cat([value_norms(v[None], ctx.wo) for v in ctx.values[:, :, ctx.fresh :]])
     stage1 = top_candidates(s, ctx.protected, int(alpha * ctx.budget) - ctx.buffer)
     return ((s + eps) * norms).masked_fill(stage1, BIG)
 

@@ -375,6 +375,16 @@ def test_window_attn_mass_triton_long_window():
     torch.testing.assert_close(kernels.window_attn_mass_triton(*args), kernels.window_attn_mass_ref(*args), **TOL)
 
 
+def test_window_attn_mass_ref_rows_do_not_depend_on_the_batch():
+    """Each row of the reference is bit-for-bit what it gives alone, even where memory bounds split the work into
+    passes (here 2 of 4 rows per pass, the 128 queries in one): batched eviction relies on it."""
+    q, k, q_pos, k_pos = window_case(4, 4, 2, 128, 4096, 8, seed=2)
+    together = kernels.window_attn_mass_ref(q, k, q_pos, k_pos, 0.3)
+    for b in range(4):
+        alone = kernels.window_attn_mass_ref(q[b : b + 1], k[b : b + 1], q_pos[b : b + 1], k_pos[b : b + 1], 0.3)
+        assert torch.equal(together[b : b + 1], alone)
+
+
 def test_window_attn_mass_hand_worked():
     """One query, two keys with logits 0 and ln 3: masses 1/4 and 3/4; a keyless query adds 0, not NaN."""
     q, k = torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([[[[0.0, 5.0], [math.log(3.0), 0.0]]]])
@@ -404,7 +414,7 @@ def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, seed=0, budget=12, buffer=4, prompt
         queries=(qscale * torch.randn(B, H_kv * n_rep, w, D, generator=g)).to(dtype),
         q_pos=torch.arange(S - w, S).expand(B, w), wo=torch.randn(16, H_kv * n_rep * D, generator=g).to(dtype),
         side=side, all_kv=(torch.stack([k, k.flip(2)]), torch.stack([v, v.flip(2)])), cfg=cfg, budget=budget,
-        buffer=buffer, generator=torch.Generator().manual_seed(100 + rnd), fresh=0)
+        buffer=buffer, generators=[torch.Generator().manual_seed(100 + rnd + b) for b in range(B)], fresh=0)
 
 
 def avg_pool5(x):
@@ -749,10 +759,12 @@ def test_show_kept_map(tiny):
 PROMPTS = [list(range(3, 13)), list(range(20, 47)), list(range(50, 55))]  # 10, 27 and 5 tokens
 
 
-def generate_rows(model, name, prompts, budget=24, buffer=8, n=40, ids=None, **kw):
+def generate_rows(model, name, prompts, budget=24, buffer=8, n=40, ids=None, full=False, **kw):
+    """(new ids per prompt, run), or with full=True (new ids per prompt, the final cache)."""
     run = G.make_run(name, None if name == "full" else budget, buffer, None if name == "full" else False,
                      [len(p) for p in prompts], seed=3, ids=ids)
-    return G.generate(model, prompts, run, n, **kw)[0], run
+    out, cache, _ = G.generate(model, prompts, run, n, **kw)
+    return (out, cache) if full else (out, run)
 
 
 DETERMINISTIC = ["full", "streaming", "snapkv", "h2o", "rkv", "criticalkv", "epikv", "epikv-band", "epikv-lag",
@@ -767,6 +779,27 @@ def test_batched_rows_equal_unbatched_runs(tiny, name):
     for prompt, got in zip(PROMPTS, batched):
         assert generate_rows(tiny, name, [prompt])[0][0] == got
     assert name == "full" or run.rounds[1] > run.rounds[0] > 0
+
+
+SAME_STEP = [list(range(3, 13)), list(range(60, 70)), list(range(20, 47)), list(range(80, 90))]  # 10, 10, 27, 10
+
+
+@pytest.mark.parametrize("name", [n for n in DETERMINISTIC if n != "full"] + ["random", "vase", "vase-dkv"])
+def test_rows_due_together_are_scored_together(tiny, name, monkeypatch):
+    """Neighbouring rows due in the same step share one scorer call per layer: rows 0 and 1 (10 tokens each) on their
+    first round, while row 2, due in that step for its third, and row 3, not a neighbour, are scored apart. Every
+    row still produces exactly the tokens of its run alone (with its own id, for the stochastic policies), and a
+    stochastic row keeps the same positions: its draws are its own. (A deterministic row's kept set may differ at a
+    near tie: the batched forward's matmuls round differently from one row's, by ~1e-9.)"""
+    calls, real = [], G.evict_round
+    monkeypatch.setattr(G, "evict_round", lambda m, c, r, b, n=1: calls.append((b, n)) or real(m, c, r, b, n))
+    (batched, cache), L = generate_rows(tiny, name, SAME_STEP, full=True), tiny.cfg.num_hidden_layers
+    assert (0, 2) in calls and (2, 1) in calls and (3, 1) in calls and cache.batch == 4  # they all end together
+    for i, (prompt, got) in enumerate(zip(SAME_STEP, batched)):
+        alone, one = generate_rows(tiny, name, [prompt], ids=[i], full=True)
+        assert alone[0] == got
+        if name not in DETERMINISTIC:  # the same kept positions in every layer and head
+            assert torch.equal(cache.pos[:, i, :, : cache.length[i]], one.pos[:, 0, :, : one.length[0]])
 
 
 def test_batched_logits_equal_unbatched(tiny):
