@@ -234,10 +234,10 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
     kt = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
     out = torch.zeros((B, H_kv, n_rep, 1, S), dtype=torch.float32, device=q.device)
     # passes over chunks of queries and of rows bound the [rows, H_kv, n_rep, chunk, S] logits to ~16 MB when H2O
-    # feeds a whole prefill chunk. subtle: the query chunk depends on no row count, so a row sums its queries in
-    # the same order whether it is scored alone or in a batch (batched rows must equal their unbatched runs)
+    # feeds a whole prefill chunk. subtle: the query chunk depends on S but on no row count, so rows that hold the
+    # same S (as every row of one eviction round does) sum their queries in the same order alone or in a batch
     chunk = max(1, 2**22 // (H_q * S))
-    rows = max(1, 2**22 // (H_q * min(W, chunk) * S))
+    rows = max(1, 2**22 // (H_q * max(1, min(W, chunk)) * S))
     for b0 in range(0, B, rows):
         b = slice(b0, b0 + rows)
         for w0 in range(0, W, chunk):

@@ -86,13 +86,13 @@ def snapkv_attention(ctx: ScoreCtx, buffer_in_softmax: bool = True) -> Tensor:
     return F.pad(group_mean(a, ctx.cfg.n_rep), (0, ctx.buffer))
 
 
-def top_candidates(x: Tensor, protected: Tensor, n: int | Tensor) -> Tensor:
-    """Bool mask [B, H_kv, S] of the n highest x among unprotected slots; n an int or one per row [B]."""
+def top_candidates(x: Tensor, protected: Tensor, n: int | list[int]) -> Tensor:
+    """Bool mask [B, H_kv, S] of the n highest x among unprotected slots; n an int, or a list of one count per row."""
+    if not isinstance(n, int):  # row by row: topk breaks ties differently for another k, so a row takes its own
+        return torch.cat([top_candidates(x[b : b + 1], protected[b : b + 1], k) for b, k in enumerate(n)])
     x = x.masked_fill(protected, -math.inf)
-    n = torch.as_tensor(n, device=x.device).clamp(0, x.shape[-1]).view(-1, 1, 1)  # [B or 1, 1, 1]
-    top = x.topk(int(n.max()), dim=-1).indices  # [B, H_kv, max n], best first
-    first_n = (torch.arange(top.shape[-1], device=x.device) < n).expand_as(top)  # each row's own n of them
-    return torch.zeros_like(protected).scatter_(-1, top, first_n) & ~protected
+    n = max(0, min(n, x.shape[-1]))
+    return torch.zeros_like(protected).scatter_(-1, x.topk(n, dim=-1).indices, True) & ~protected
 
 
 def draw(ctx: ScoreCtx, fn: Callable, *shape: int) -> Tensor:
@@ -200,16 +200,19 @@ def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate
     if not reserve:
         return s
     v = ctx.values.float()
-    n_v = ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)  # [B]: the sinks (or a protected prompt) fill part of it
+    n_v = (ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)).tolist()  # per row: the sinks (or a protected
+    # prompt) fill part of the reserve
     widest = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, n_v)
     return s.masked_fill(widest, BIG * reserve)
 
 
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian
-    sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (each row's generator is seeded per row, layer and round)."""
+    sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (each row's generator is seeded per row, layer
+    and round)."""
     G = draw(ctx, torch.randn, ctx.keys.shape[-1], rank) / math.sqrt(rank)  # [B, D, rank], one sketch per row
-    leverage = lambda x: torch.stack([(x[b].float() @ G[b]).square().sum(-1) for b in range(len(G))])  # [B, H_kv, S]
+    # ||x G||^2 row by row (each row's own sketch): [B, H_kv, S]
+    leverage = lambda x: torch.stack([(x[b].float() @ G[b]).square().sum(-1) for b in range(len(G))])
     return leverage(ctx.keys) * leverage(ctx.values)
 
 

@@ -5,6 +5,7 @@ for every scorer, eviction invariants, the default model, and one-line messages 
 Run: python -m pytest -q test_all.py
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -536,6 +537,20 @@ def test_rkv_redundancy_spares_the_newest_copy():
     ctx.keys = k.view(1, 1, 12, 8)
     s = P.rkv(ctx, lam=0.0)  # redundancy alone
     assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
+
+
+def test_vase_rows_with_their_own_reserve_score_as_alone():
+    """Two rows scored together, each with its own protected prompt (so its own reserve N_v) and many exactly tied
+    value ranges, get the reserve each gets alone: topk's ties break differently for another k."""
+    ctx = ctx_for(S=60, B=2, budget=40, buffer=4, prompt=0)
+    ctx.values = ctx.values.mul(2).round()  # integer values: many equal ranges
+    ctx.protected = ctx.protected.clone()
+    ctx.protected[0, :, :6], ctx.protected[1, :, :2] = True, True  # N_v = 10 - 6 and 10 - 2
+    together = P.vase(ctx, sample=False)
+    for b in range(2):
+        alone = dataclasses.replace(ctx, **{k: getattr(ctx, k)[b : b + 1] for k in
+                                           ("keys", "values", "pos", "protected", "queries", "q_pos")})
+        assert torch.equal(together[b : b + 1], P.vase(alone, sample=False))
 
 
 def test_rkv_redundancy_as_rkv_code_loops():
