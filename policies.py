@@ -200,8 +200,8 @@ def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate
     if not reserve:
         return s
     v = ctx.values.float()
-    n_v = (ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)).tolist()  # per row: the sinks (or a protected
-    # prompt) fill part of the reserve
+    # one N_v per row: the sinks (or a protected prompt) fill part of the reserve
+    n_v = (ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)).tolist()
     widest = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, n_v)
     return s.masked_fill(widest, BIG * reserve)
 

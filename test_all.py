@@ -554,9 +554,9 @@ def test_vase_rows_with_their_own_reserve_score_as_alone():
 
 
 def test_rkv_redundancy_as_rkv_code_loops():
-    """rkv's redundancy (lam = 0) = R-KV's code as loops over the S x S cosine similarity: diagonal 0, in each row
-    the newest look-alike (> 0.5) zeroed, or entry 0 when there is none (key 0 then points at its own 0 diagonal),
-    mean over rows, softmax over keys. Repeats and a lone key 0 make every branch count."""
+    """rkv's redundancy (lam = 0) = R-KV's `cal_similarity` (rkv/utils.py) as loops over the S x S cosine similarity:
+    diagonal 0, in each row the newest look-alike (> 0.5) zeroed, or entry 0 when there is none (key 0 then points at
+    its own 0 diagonal), mean over rows, softmax over keys. Repeats and a lone key 0 make every branch count."""
     S = 12
     ctx = ctx_for(S=S, H_kv=2, n_rep=1, budget=6, buffer=1, prompt=0, w=8, seed=5)
     ctx.keys[0, :, 5] = ctx.keys[0, :, 2] + 0.1  # look-alikes at 2, 5 and 9 in both heads
@@ -808,7 +808,7 @@ def test_rows_due_together_are_scored_together(tiny, name, monkeypatch):
     near tie: the batched forward's matmuls round differently from one row's, by ~1e-9.)"""
     calls, real = [], G.evict_round
     monkeypatch.setattr(G, "evict_round", lambda m, c, r, b, n=1: calls.append((b, n)) or real(m, c, r, b, n))
-    (batched, cache), L = generate_rows(tiny, name, SAME_STEP, full=True), tiny.cfg.num_hidden_layers
+    batched, cache = generate_rows(tiny, name, SAME_STEP, full=True)
     assert (0, 2) in calls and (2, 1) in calls and (3, 1) in calls and cache.batch == 4  # they all end together
     for i, (prompt, got) in enumerate(zip(SAME_STEP, batched)):
         alone, one = generate_rows(tiny, name, [prompt], ids=[i], full=True)
