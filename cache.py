@@ -30,14 +30,7 @@ class Chunk:
     start: int | None  # the slot every row appends at, when all rows are alike (else None: see `real`)
     S: int  # slots the longest row holds after this chunk
     real: tuple[Tensor, Tensor, Tensor]  # (row, column, slot) of each real token, [N] each
-    n_t: Tensor  # [B] n as a tensor
-
-    def newest(self, w: int) -> tuple[Tensor, Tensor]:
-        """(row, column) of each row's last w real tokens: what a ring of w queries keeps. The older ones would
-        land on the same ring slots, and an indexed write with repeated indices has no defined winner."""
-        row, col, _ = self.real
-        keep = col >= self.n_t[row] - w
-        return row[keep], col[keep]
+    ring: tuple[Tensor, Tensor, Tensor] | None  # (row, column, ring slot) of the queries the ring keeps, or None
 
 
 class KVCache:
@@ -77,13 +70,14 @@ class KVCache:
         """Plan a forward of T columns per row in which row b appends its first n[b] tokens (default all T)."""
         n = [T] * self.batch if n is None else n
         dev = self.pos.device
-        last = (torch.tensor(n, device=dev) - 1).clamp(min=0)  # [B]
+        n_t = torch.tensor(n, device=dev)
+        last = (n_t - 1).clamp(min=0)  # [B]
         # padding columns repeat the last real position, so they see what the row's last token sees
         cols = torch.minimum(torch.arange(T, device=dev), last[:, None])  # [B, T]
         pos = torch.tensor(self.next_pos, device=dev)[:, None] + cols
         end = max(p + max(c, 1) for p, c in zip(self.next_pos, n))
         alike = len(set(self.length)) == 1 and set(n) == {T}  # the common case: one slice write serves all rows
-        row = torch.arange(self.batch, device=dev).repeat_interleave(torch.tensor(n, device=dev))
+        row = torch.arange(self.batch, device=dev).repeat_interleave(n_t)
         col = torch.cat([torch.arange(c, device=dev) for c in n])
         slot = torch.tensor(self.length, device=dev)[row] + col
         S = max(l + c for l, c in zip(self.length, n))
@@ -100,7 +94,13 @@ class KVCache:
             for side in self.side.values():
                 side[:, row, :, slot] = 0
         start = self.length[0] if alike else None
-        return Chunk(n, pos, last, end, start, S, (row, col, slot), torch.tensor(n, device=dev))
+        w, ring = self.q_pos.shape[1], None
+        if w:  # each row's last w real tokens, at ring slot position % w. Only those: the older ones would land on
+            # the same ring slots, and an indexed write with repeated indices has no defined winner
+            keep = col >= n_t[row] - w
+            r, c = row[keep], col[keep]
+            ring = (r, c, pos[r, c] % w)
+        return Chunk(n, pos, last, end, start, S, (row, col, slot), ring)
 
     def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None, chunk: Chunk) -> tuple[Tensor, Tensor]:
         """Write the chunk's real k, v [B, H_kv, T, D] (and queries q [B, H_q, T, D] into the ring); return
@@ -111,19 +111,16 @@ class KVCache:
         else:  # ragged rows: scatter each real token to its row's next slot
             row, col, slot = chunk.real
             K[row, :, slot], V[row, :, slot] = k[row, :, col], v[row, :, col]
-        w = self.q_ring.shape[3]
-        if w and q is not None:  # ring index = position % w
-            row, col = chunk.newest(w)
-            self.q_ring_l[layer][row, :, chunk.pos[row, col] % w] = q[row, :, col]
+        if chunk.ring is not None and q is not None:
+            row, col, at = chunk.ring  # indices made once per forward, in chunk(): every layer writes the same slots
+            self.q_ring_l[layer][row, :, at] = q[row, :, col]
         return K[:, :, : chunk.S], V[:, :, : chunk.S]
 
     def advance(self, chunk: Chunk):
         """Close a forward pass: every layer has appended the chunk."""
-        w = self.q_pos.shape[1]
-        if w:
-            row, col = chunk.newest(w)
-            p = chunk.pos[row, col]
-            self.q_pos[row, p % w] = p
+        if chunk.ring is not None:
+            row, col, at = chunk.ring
+            self.q_pos[row, at] = chunk.pos[row, col]
         for b, c in enumerate(chunk.n):
             self.length[b] += c
             self.next_pos[b] += c
