@@ -8,7 +8,8 @@ holds the same number of slots a full replay leaves), then time `--steps` greedy
 at position `context`, evicting on the generation cadence. `--eager` adds full-cache rows whose attention
 materialises the [B, H_q, T, S] fp32 matrix, the way attention-weight methods run with eager kernels, so the
 quadratic memory wall shows in the same table. Each row runs in a fresh subprocess, because the process's peak
-memory (ru_maxrss) never goes down. `--model` also takes a bare config.json: random weights of that shape.
+memory (ru_maxrss) never goes down. On CPU each row also says where a step's time went: in the matrix products, in
+attention, in eviction, and the rest. `--model` also takes a bare config.json: random weights of that shape.
 The roofline is gpt-fast's memory-bandwidth argument, with the bandwidth a matrix-vector product reaches here.
 Left out: CUDA graphs, torch.compile.
 """
@@ -18,10 +19,13 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
+import model as model_py
 from generate import (UsageError, cpu_threads, feed, int_list, load, make_cache, make_run, peak_memory_mb,
                       policy_names, resolve_device)
 from kernels import linear
@@ -134,6 +138,34 @@ def matvec_bandwidth(device, dtype, mb: int = 256) -> float:
     return w.nbytes / best
 
 
+@contextmanager
+def clocked(spent: Counter):
+    """Add the wall time spent inside the model's matrix products (model.py's calls of kernels.linear: every layer and
+    the LM head) to spent["matmul"], and inside its attention (SDPA, or the eager reference) to spent["attention"], by
+    wrapping the names model.py calls; restored on exit. On CPU these calls are synchronous, so the sums are exact
+    wall time; on CUDA they only queue work, so the bench does not use this there."""
+    targets = [(model_py, "linear", "matmul"), (model_py.F, "scaled_dot_product_attention", "attention"),
+               (model_py, "eager_attention", "attention")]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
+
+    def timed(fn, key):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return call
+
+    for module, name, key in targets:
+        setattr(module, name, timed(getattr(module, name), key))
+    try:
+        yield spent
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
 @torch.inference_mode()
 def measure_here(o: dict) -> dict:
     device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""))
@@ -158,15 +190,20 @@ def measure_here(o: dict) -> dict:
         cache.next_pos = [fill] * B
     for _ in range(WARMUP):
         logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
-    rounds0, evict0, slots = run.evictions, run.evict_s, 0
+    rounds0, evict0, slots, spent = run.evictions, run.evict_s, 0, Counter()
+    on_cpu = torch.device(device).type == "cpu"
     sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):  # greedy decode of every row: the timed window, evictions included
-        slots += sum(cache.length)  # slots read by this step's attention (before its own token)
-        logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
-    sync(device)
-    dt = time.perf_counter() - t0
+    with clocked(spent) if on_cpu else nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(steps):  # greedy decode of every row: the timed window, evictions included
+            slots += sum(cache.length)  # slots read by this step's attention (before its own token)
+            logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+        sync(device)
+        dt = time.perf_counter() - t0
     n_ev, ev_s = run.evictions - rounds0, run.evict_s - evict0  # row-rounds: each row evicts on its own
+    # where a step's time goes (CPU): matmuls, attention, eviction, and the rest (norms, RoPE, cache writes, Python)
+    spent["rest"] = dt - ev_s - spent["matmul"] - spent["attention"]
+    split = {f"{k}_ms": round(spent[k] / steps * 1e3, 2) for k in ("matmul", "attention", "rest")} if on_cpu else {}
     peak = peak_memory_mb(device)  # read before the bandwidth probe allocates its own buffers
     # roofline: each step reads every weight once (tied embeddings: once, as the LM head) and every held K/V
     params = {p.data_ptr(): p.nbytes for p in model.parameters()}
@@ -177,7 +214,8 @@ def measure_here(o: dict) -> dict:
         "ms_per_step": round(dt / steps * 1e3, 3), "tok_s": round(B * steps / dt, 2),  # tokens of all rows
         "roofline": round(B * steps / dt / roof_tok_s, 3),  # fraction of the bandwidth-bound tokens/s
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per row per eviction round
-        "evict_share": round(ev_s / dt, 4), "evictions": n_ev, "peak_mb": round(peak, 1), "slots": run.max_slots,
+        "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
+        **split, "peak_mb": round(peak, 1), "slots": run.max_slots,
         # the 1-minute load average: other jobs on the machine spoil the timings, so each row says how busy it was
         "used_threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),
     }

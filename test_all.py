@@ -24,6 +24,7 @@ import bench
 import eval as ev
 import generate as G
 import kernels
+import model as M
 import policies as P
 import tasks as T
 from cache import FREE
@@ -1177,7 +1178,8 @@ def test_divergence_report(smollm):
 BENCH_TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 512, "tie_word_embeddings": True}
-BENCH_FIELDS = {"ms_per_step", "tok_s", "roofline", "evict_ms", "evict_share", "peak_mb", "slots", "evictions"}
+BENCH_FIELDS = {"ms_per_step", "tok_s", "roofline", "evict_ms", "evict_share", "peak_mb", "slots", "evictions",
+                "matmul_ms", "attention_ms", "rest_ms"}
 
 
 def bench_args(tmp_path, *extra):
@@ -1189,15 +1191,21 @@ def bench_args(tmp_path, *extra):
 
 def test_bench_rows(tmp_path):
     """The bench's rows have the issue's fields and sane values (tiny random model, 2 contexts, 2 policies, batch
-    1 and 3): every row of a batch evicts on its own, so 3 rows give 3 x 2 row-rounds in the window."""
+    1 and 3): every row of a batch evicts on its own, so 3 rows give 3 x 2 row-rounds in the window. A step's time
+    splits into matmuls, attention, eviction and the rest, and the clock's wrappers leave model.py as it was."""
     args = bench_args(tmp_path, "--batch-sizes", "1,3")
     todo = bench.jobs(args)
+    unwrapped = (M.linear, F.scaled_dot_product_attention, M.eager_attention)
     assert [(j["policy"], j["context"], j["batch"]) for j in todo][:3] == [("full", 160, 1), ("full", 160, 3), ("full", 288, 1)]
     for i, job in enumerate(todo):  # one row through the real path (a fresh subprocess), the rest in-process
         row = bench.measure(job) if i == len(todo) - 1 else bench.measure_here(job)
         json.dumps(row)  # plain JSON
         assert BENCH_FIELDS <= row.keys(), row
         assert row["ms_per_step"] > 0 and row["tok_s"] > 0 and row["roofline"] > 0 and row["peak_mb"] > 0
+        assert row["matmul_ms"] > 0 and row["attention_ms"] > 0 and row["rest_ms"] > 0
+        split = row["matmul_ms"] + row["attention_ms"] + row["rest_ms"] + row["evict_share"] * row["ms_per_step"]
+        assert split == pytest.approx(row["ms_per_step"], abs=0.05)
+        assert (M.linear, F.scaled_dot_product_attention, M.eager_attention) == unwrapped
         if job["policy"] == "full":
             assert row["slots"] == job["context"] and row["evict_ms"] is None and row["evict_share"] == 0
         else:  # 32 steps with r = 16: two evictions per row land in the timed window
