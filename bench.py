@@ -32,6 +32,7 @@ from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
+SIDE_BLOCKS, SIDE_STEPS = 6, 16  # --side-by-side: turns per decoder, and decode steps per turn
 
 
 def add_arguments(ap):
@@ -47,6 +48,8 @@ def add_arguments(ap):
                     "(protected for random and epikv*, as in their papers)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = nanokv's choice: one, with "
                     "the matmuls in OpenBLAS's threads; more makes kernels.linear use torch's own matmul)")
+    ap.add_argument("--side-by-side", action="store_true", help="rows of batch > 1 also time a batch-1 decoder in "
+                    "the same process, alternating, and report the speed-up over batch 1 measured so")
     ap.add_argument("--eager", action="store_true", help="add full-cache rows with the materialised n x n "
                     "fp32 attention (the eager reference) for each context and batch size")
 
@@ -60,6 +63,9 @@ def jobs(args) -> list[dict]:
     if min(contexts) <= args.steps + WARMUP + args.prompt_len:
         raise UsageError(f"every context must exceed --steps {args.steps} + {WARMUP} warm-up + --prompt-len "
                          f"{args.prompt_len}: raise --contexts or lower --steps")
+    if args.side_by_side and max(batches) > 1 and min(contexts) <= SIDE_BLOCKS * SIDE_STEPS + WARMUP + args.prompt_len:
+        raise UsageError(f"--side-by-side decodes {SIDE_BLOCKS * SIDE_STEPS} steps per decoder: every context must "
+                         f"exceed that + {WARMUP} warm-up + --prompt-len {args.prompt_len}")
     names = policy_names(args.policies)
     protect = args.protect_prompt
     for n in names:  # fail here, once, on a bad --budget / --buffer / prompt combination
@@ -68,7 +74,8 @@ def jobs(args) -> list[dict]:
     common = {"buffer": args.buffer, "steps": args.steps, "prompt_len": args.prompt_len, "threads": args.threads,
               "protect": protect, "seed": args.seed, "model": args.model, "device": str(device),
               "dtype": str(dtype)}
-    rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget}
+    rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget,
+             **({"side_by_side": True} if args.side_by_side and b > 1 else {})}  # in the key only where it adds a figure
             for n in names for c in contexts for b in batches]
     rows += [{"policy": "full", "context": c, "batch": b, "eager": True, "budget": None}
              for c in contexts for b in batches] if args.eager else []
@@ -166,6 +173,46 @@ def clocked(spent: Counter):
             setattr(module, name, fn)
 
 
+def decoder(model, o: dict, B: int, steps: int):
+    """B rows of the row's policy, filled so that the warm-up and then `steps` greedy decode steps end at position
+    o["context"]: returns (run, cache, last logits [B, 1, V])."""
+    C, device = o["context"], model.device
+    run = make_run(o["policy"], o["budget"], o["buffer"], o["protect"], [o["prompt_len"]] * B, o["seed"])
+    cache = make_cache(model, run, C)
+    g = torch.Generator().manual_seed(o["seed"])
+    fill = C - steps - WARMUP  # positions before the warm-up and the timed window
+    ctx = torch.randint(model.cfg.vocab_size, (B, fill), generator=g).to(device)  # [B, T]
+    if run.budget is None:  # the full cache: one prefill up to the window
+        logits = feed(model, cache, ctx, run)
+    else:  # fill the K + r slots (one eviction round), then jump to the window: it holds the same slots as after a
+        # replay of every position, only their positions differ (a 32k replay would take minutes on a GPU)
+        logits = feed(model, cache, ctx[:, : run.budget + run.buffer], run)
+        cache.next_pos = [fill] * B
+    for _ in range(WARMUP):
+        logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+    return run, cache, logits
+
+
+def side_by_side(model, o: dict, blocks: int = SIDE_BLOCKS, k: int = SIDE_STEPS) -> float:
+    """Batch B's aggregate speed-up over batch 1, measured in one process: a batch-1 and a batch-B decoder take turns
+    of k steps, `blocks` times each (who goes first alternates), and their total times are compared, evictions
+    included. Rows in separate processes minutes apart also measure the machine's drift (on this shared VM, tens
+    of percent); turns in one process see the same machine."""
+    dec = {b: list(decoder(model, o, b, blocks * k)) for b in (1, o["batch"])}  # b -> [run, cache, logits]
+    took = {b: 0.0 for b in dec}
+    for turn in range(blocks):
+        for b in (1, o["batch"]) if turn % 2 == 0 else (o["batch"], 1):
+            run, cache, logits = dec[b]
+            sync(model.device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+            sync(model.device)
+            took[b] += time.perf_counter() - t0
+            dec[b][2] = logits
+    return round(o["batch"] * took[1] / took[o["batch"]], 2)
+
+
 @torch.inference_mode()
 def measure_here(o: dict) -> dict:
     device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""))
@@ -177,19 +224,7 @@ def measure_here(o: dict) -> dict:
         raise UsageError(f"context {C} exceeds the model's {cfg.max_position_embeddings} positions")
     model.eager = o["eager"]
     reset_peak(device)  # note: the peak then counts the resident weights and torch, not the loading transient
-    run = make_run(o["policy"], o["budget"], o["buffer"], o["protect"], [o["prompt_len"]] * B, o["seed"])
-    cache = make_cache(model, run, C)
-    g = torch.Generator().manual_seed(o["seed"])
-    fill = C - steps - WARMUP  # positions before the warm-up and the timed window
-    ctx = torch.randint(cfg.vocab_size, (B, fill), generator=g).to(device)  # [B, T]
-    if run.budget is None:  # the full cache: one prefill up to the window
-        logits = feed(model, cache, ctx, run)
-    else:  # fill the K + r slots (one eviction round), then jump to the window: it holds the same slots as after a
-        # replay of every position, only their positions differ (a 32k replay would take minutes on a GPU)
-        logits = feed(model, cache, ctx[:, : run.budget + run.buffer], run)
-        cache.next_pos = [fill] * B
-    for _ in range(WARMUP):
-        logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+    run, cache, logits = decoder(model, o, B, steps)
     rounds0, evict0, slots, spent = run.evictions, run.evict_s, 0, Counter()
     on_cpu = torch.device(device).type == "cpu"
     sync(device)
@@ -203,19 +238,23 @@ def measure_here(o: dict) -> dict:
     n_ev, ev_s = run.evictions - rounds0, run.evict_s - evict0  # row-rounds: each row evicts on its own
     # where a step's time goes (CPU): matmuls, attention, eviction, and the rest (norms, RoPE, cache writes, Python)
     spent["rest"] = dt - ev_s - spent["matmul"] - spent["attention"]
-    split = {f"{k}_ms": round(spent[k] / steps * 1e3, 2) for k in ("matmul", "attention", "rest")} if on_cpu else {}
-    peak = peak_memory_mb(device)  # read before the bandwidth probe allocates its own buffers
+    split = {f"{k}_ms": round(spent[k] / steps * 1e3, 3) for k in ("matmul", "attention", "rest")} if on_cpu else {}
+    peak = peak_memory_mb(device)  # read before the bandwidth probe and the side-by-side decoders allocate
     # roofline: each step reads every weight once (tied embeddings: once, as the LM head) and every held K/V
     params = {p.data_ptr(): p.nbytes for p in model.parameters()}
     w_bytes = sum(params.values()) - (0 if model.lm_head is None else model.model.embed_tokens.weight.nbytes)
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cache.k.element_size()
     roof_tok_s = B * matvec_bandwidth(device, dtype) / (w_bytes + kv_bytes * slots / steps)
+    side = {}
+    if o.get("side_by_side") and B > 1:
+        del cache  # the row's own decoder is done: free its slots before two more decoders fill theirs
+        side["speedup_side_by_side"] = side_by_side(model, o)
     return {
         "ms_per_step": round(dt / steps * 1e3, 3), "tok_s": round(B * steps / dt, 2),  # tokens of all rows
         "roofline": round(B * steps / dt / roof_tok_s, 3),  # fraction of the bandwidth-bound tokens/s
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per row per eviction round
         "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
-        **split, "peak_mb": round(peak, 1), "slots": run.max_slots,
+        **split, **side, "peak_mb": round(peak, 1), "slots": run.max_slots,
         # the 1-minute load average: other jobs on the machine spoil the timings, so each row says how busy it was
         "used_threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),
     }

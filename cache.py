@@ -94,12 +94,13 @@ class KVCache:
             for side in self.side.values():
                 side[:, row, :, slot] = 0
         start = self.length[0] if alike else None
+        # the query ring takes each row's last w real tokens, at ring slot position % w. Only those: the older ones
+        # would land on the same ring slots, and an indexed write with repeated indices has no defined winner
         w, ring = self.q_pos.shape[1], None
-        if w:  # each row's last w real tokens, at ring slot position % w. Only those: the older ones would land on
-            # the same ring slots, and an indexed write with repeated indices has no defined winner
-            keep = col >= n_t[row] - w
+        if w:
+            keep = col >= n_t[row] - w  # [N]
             r, c = row[keep], col[keep]
-            ring = (r, c, pos[r, c] % w)
+            ring = (r, c, pos[r, c] % w)  # (row, column, ring slot), [N_ring] each
         return Chunk(n, pos, last, end, start, S, (row, col, slot), ring)
 
     def append(self, layer: int, k: Tensor, v: Tensor, q: Tensor | None, chunk: Chunk) -> tuple[Tensor, Tensor]:

@@ -1213,6 +1213,17 @@ def test_bench_rows(tmp_path):
             assert row["evict_ms"] > 0 and 0 < row["evict_share"] < 1
 
 
+def test_bench_side_by_side(tmp_path):
+    """--side-by-side: a row of batch > 1 also reports its speed-up over a batch-1 decoder timed in the same process;
+    a batch-1 row does not. The flag joins the key of those rows only, so earlier results of the others still resume."""
+    assert "side_by_side" not in bench.jobs(bench_args(tmp_path))[0]
+    jobs = bench.jobs(bench_args(tmp_path, "--batch-sizes", "1,3", "--side-by-side", "--policies", "snapkv"))
+    rows = {j["batch"]: bench.measure_here(j) for j in jobs if j["context"] == 160}
+    assert [j.get("side_by_side") for j in jobs if j["context"] == 160] == [None, True]
+    assert "speedup_side_by_side" not in rows[1]
+    assert rows[3]["speedup_side_by_side"] > 0
+
+
 def test_bench_jobs_eager_and_errors(tmp_path):
     """--eager adds full-cache eager rows; bad numbers are refused with one line before any row runs."""
     args = args_for("bench", "--policies", "all", "--contexts", "1024,2048", "--eager")
@@ -1500,6 +1511,7 @@ BAD_EVAL = [
     (["probe", "--gap", "100000"], "past the model's 8192 positions"),
     (["accuracy", "--budgets", "128", "--protect-prompt", "--policies", "snapkv"], "--budget >= "),
     (["bench", "--steps", "0"], "--steps"),
+    (["bench", "--side-by-side", "--batch-sizes", "1,4", "--steps", "8", "--contexts", "150"], "--side-by-side"),
     (["bench", "--threads", "-1"], "--threads"),
 ]
 
