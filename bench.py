@@ -188,9 +188,14 @@ def decoder(model, o: dict, B: int, steps: int):
         # replay of every position, only their positions differ (a 32k replay would take minutes on a GPU)
         logits = feed(model, cache, ctx[:, : run.budget + run.buffer], run)
         cache.next_pos = [fill] * B
-    for _ in range(WARMUP):
+    return run, cache, greedy(model, cache, run, logits, WARMUP)
+
+
+def greedy(model, cache, run, logits, steps: int):
+    """`steps` greedy decode steps of every row from the last logits [B, 1, V], evicting on the run's cadence."""
+    for _ in range(steps):
         logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
-    return run, cache, logits
+    return logits
 
 
 def side_by_side(model, o: dict, blocks: int = SIDE_BLOCKS, k: int = SIDE_STEPS) -> float:
@@ -205,11 +210,9 @@ def side_by_side(model, o: dict, blocks: int = SIDE_BLOCKS, k: int = SIDE_STEPS)
             run, cache, logits = dec[b]
             sync(model.device)
             t0 = time.perf_counter()
-            for _ in range(k):
-                logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
+            dec[b][2] = greedy(model, cache, run, logits, k)
             sync(model.device)
             took[b] += time.perf_counter() - t0
-            dec[b][2] = logits
     return round(o["batch"] * took[1] / took[o["batch"]], 2)
 
 

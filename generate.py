@@ -17,6 +17,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Callable
 
 import torch
@@ -207,13 +208,11 @@ def evict_due(model, cache: KVCache, run: Run):
     due = [run.budget is not None and length == run.budget + run.buffer for length in cache.length]
     first = [run.rounds[row] == 0 for row in cache.rows]
     b = 0
-    while b < cache.batch:
-        n = 0
-        while b + n < cache.batch and due[b + n] and first[b + n] == first[b]:
-            n += 1
-        if n:
+    for (is_due, _), run_of_rows in groupby(zip(due, first)):  # neighbours alike in both
+        n = len(list(run_of_rows))
+        if is_due:
             evict_round(model, cache, run, b, n)
-        b += max(n, 1)
+        b += n
 
 
 def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = None,
