@@ -244,9 +244,10 @@ def window_attn_mass_ref(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sca
             qc, pc = qg[b, :, :, w0:w0 + chunk], q_pos[b, w0:w0 + chunk]  # pc [Bc, Wc]
             Bc, Wc = qc.shape[0], qc.shape[3]
             logits = (qc.reshape(Bc, H_kv, n_rep * Wc, D) @ kt[b]).view(Bc, H_kv, n_rep, Wc, S)
-            # causal by token position, not by slot, as one bias broadcast over the group: [Bc, H_kv, 1, Wc, S]. An
-            # empty ring slot (-1) is after no key, so its row is all masked. note: adding the bias gives the same bits
-            # as a masked_fill_ (x + 0 = x; x + min = min), which broadcast over the group took 3x as long on CPU
+            # causal by token position, not by slot, as one bias broadcast over the group: [Bc, H_kv, 1, Wc, S] (an
+            # empty ring slot, -1, is after no key: its row is all masked, and `live` below drops it). note: for any
+            # finite logit below ~1e31 adding the bias gives the bits a masked_fill_ gives (x + 0 = x, x + min = min),
+            # and a masked_fill_ broadcast over the group took 3x as long on CPU
             pc = pc[:, None, None, :, None]  # [Bc, 1, 1, Wc, 1]
             # subtle: the most negative float, not -inf, so a query with no valid key gets a uniform row and no NaN;
             # any valid key still pushes the masked ones to exp(-huge) = 0

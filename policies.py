@@ -220,10 +220,10 @@ def value_norms(values: Tensor, wo: Tensor) -> Tensor:
     """||V_h W_O,h||_1: how far each value moves the layer output, through each query head's slice of
     o_proj, L1 over the hidden size, mean over the query heads of its group. values [B, H_kv, S, D] -> [B, H_kv, S]."""
     B, H_kv, S, D = values.shape
-    # query head h reads KV head h // n_rep through its own D rows of o_proj's [in, out] buffer wo.T, so a group's
-    # heads are a stack [n_rep, D, hidden] (a view on CPU, where model.weight stores that buffer)
+    # query head h reads KV head h // n_rep through its own D rows of wo.T [H_q * D, hidden], so a group's heads
+    # are a stack [n_rep, D, hidden] (a view, in either weight layout)
     w = wo.T.reshape(H_kv, -1, D, wo.shape[0])  # [H_kv, n_rep, D, hidden]
-    # one KV head at a time: a first round scores every slot, and [B, n_rep, S, hidden] is already the biggest
+    # one KV head at a time: a first round scores every slot, and [B, n_rep, S, hidden] is the largest intermediate
     return torch.stack([(values[:, g, None] @ w[g]).float().abs().sum(-1).mean(1) for g in range(H_kv)], 1)
 
 
