@@ -219,7 +219,7 @@ def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
 def value_norms(values: Tensor, wo: Tensor) -> Tensor:
     """||V_h W_O,h||_1: how far each value moves the layer output, through each query head's slice of
     o_proj, L1 over the hidden size, mean over the query heads of its group. values [B, H_kv, S, D] -> [B, H_kv, S]."""
-    B, H_kv, S, D = values.shape
+    H_kv, D = values.shape[1], values.shape[3]
     # query head h reads KV head h // n_rep through its own D rows of wo.T [H_q * D, hidden], so a group's heads
     # are a stack [n_rep, D, hidden] (a view, in either weight layout)
     w = wo.T.reshape(H_kv, -1, D, wo.shape[0])  # [H_kv, n_rep, D, hidden]
