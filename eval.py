@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "
-                        "and 'answer' per line, e.g. ../shared/data/gsm8k_test.jsonl")
+                        "and 'answer' per line, e.g. data/gsm8k_test.jsonl")
     shared.add_argument("--n", type=int, default=12, help="problems (accuracy), probes (probe), or packed "
                         "conversations (fidelity, perturbation)")
     shared.add_argument("--max-new-tokens", type=int, default=512, help="cap on each generated answer")

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from cache import KVCache
 from model import ModelError, Tokenizer, load_model
@@ -413,6 +414,11 @@ def load(model_dir, device, dtype):
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)
 
 
+def note(msg: str):
+    """Progress and timings go to stderr, so stdout holds only the answer and the report."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def check_sampling(temperature: float, top_p: float):
     if not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"--temperature must be 0 (greedy) or a positive number (got {temperature})")
@@ -445,7 +451,12 @@ def run_cli(args):
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
     make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
+    t0 = time.perf_counter()
+    note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype)
+    cfg = model.cfg
+    note(f"[load] {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
+         f"{cfg.num_key_value_heads} heads, {model.model.embed_tokens.weight.dtype} on {model.device} in {time.perf_counter() - t0:.1f} s")
     prompt = tok.encode(tok.chat([{"role": "user", "content": args.prompt}]))
     limit = model.cfg.max_position_embeddings
     if len(prompt) + args.max_new_tokens > limit:
@@ -470,9 +481,15 @@ def run_cli(args):
     if args.show_kept is not None:
         layer = args.show_kept if args.show_kept >= 0 else L // 2
         print(show_kept(cache, layer, len(prompt), run.buffer))
+    note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     if args.compare and run.budget is not None:
         full = make_run("full", None, args.buffer, None, len(prompt), args.seed)
-        print(divergence(tok, generate(model, [prompt], full, *sampling)[0][0], ids, args.policy))
+        with tqdm(total=args.max_new_tokens, desc="[compare] full-cache answer", unit="tok", leave=False,
+                  file=sys.stderr) as bar:
+            ref, _, tf = generate(model, [prompt], full, *sampling, on_token=lambda row, ids: bar.update(1))
+        note(f"[compare] full-cache answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
+             f"decode {tf['decode_s']:.1f} s")
+        print(divergence(tok, ref[0], ids, args.policy))
     # the first token comes with the prefill: decode speed counts the steps after it
     tps = f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
     n_ev, ms = run.evictions, run.evict_s * 1e3

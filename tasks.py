@@ -1,6 +1,6 @@
 """
-What eval.py's sweeps read and how they judge an answer: the jsonl datasets in ../shared/data (GSM8K, MATH-500,
-AIME 2024), answer extraction and light normalisation (conventions in ../shared/data/README.md), and the loop
+What eval.py's sweeps read and how they judge an answer: the jsonl datasets in data/ (GSM8K, MATH-500,
+AIME 2024), answer extraction and light normalisation (conventions in data/README.md), and the loop
 detector for free generation. Left out: model-judged equivalence and symbolic (sympy) comparison.
 """
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 from generate import UsageError
 
-DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
 
 
 def load_data(path: str) -> list[dict]:
     """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
     if not Path(path).is_file():
-        raise UsageError(f"data file {path} does not exist (see ../shared/data/README.md)")
+        raise UsageError(f"data file {path} does not exist (the shipped sets are in data/, see data/README.md)")
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:

@@ -1142,14 +1142,17 @@ def test_interrupted_conversion_leftovers_are_cleared(tmp_path, monkeypatch):
 
 
 def test_first_run_evicts_and_compares():
-    """`python generate.py --policy criticalkv --compare`: the default question evicts several times, the summary
-    and the comparison are well-formed, and the streamed text carries no end-of-turn token."""
-    p = run_py(["generate.py", "--policy", "criticalkv", "--compare"], timeout=600)
+    """The README's first run, `python generate.py --policy criticalkv --compare`, at a smaller budget and length (the
+    time limit only catches a hang): it evicts several times, the summary and the comparison are well-formed, the
+    streamed text carries no end-of-turn token, and loading and the full-cache answer report their progress."""
+    p = run_py(["generate.py", "--policy", "criticalkv", "--compare", "--max-new-tokens", "160", "--budget", "96",
+                "--buffer", "32"], timeout=600)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
-    summary = next(l for l in lines if l.startswith("[criticalkv K=192"))
+    summary = next(l for l in lines if l.startswith("[criticalkv K=96 r=32"))
     assert int(summary.split(" eviction")[0].split()[-1]) >= 3 and "<|im_end|>" not in p.stdout
     assert any(l.startswith("[compare] against the full cache:") for l in lines)
+    assert "[load] 30 layers" in p.stderr and "[compare] full-cache answer: 160 tokens" in p.stderr
 
 
 def test_default_prompt_full_cache_is_right(smollm):
