@@ -12,6 +12,7 @@ Free generation decodes --batch-size problems together. Left out: sampling / pas
 
 import argparse
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,6 +31,7 @@ from tqdm import tqdm
 from generate import (Parser, UsageError, add_device_args, feed, generate, int_list, load, make_cache, make_run,
                       policy_names, resolve_device)
 from model import ModelError
+from cache import FREE
 from policies import POLICIES
 from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
 
@@ -184,24 +187,59 @@ def fidelity(args, job: dict, lab: dict) -> dict:
     return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace}
 
 
+def answer_slots(run) -> tuple[dict, Callable]:
+    """A run.watch that records, after each eviction of a row, how many of its answer's slots the cache still holds
+    (mean over layers and KV heads) and at which position: {row: (held, next_pos)}."""
+    held = {}
+
+    def watch(cache, b, when):
+        if when == "after":
+            row, S = cache.rows[b], cache.length[b]
+            answer = cache.pos[:, b, :, :S] >= run.prompt_len[row]  # [L, H_kv, S]
+            held[row] = (answer.sum(-1).float().mean().item(), cache.next_pos[b])
+
+    return held, watch
+
+
+def outcome(tok, r: dict, ids: list[int], args, run, row: int, held: dict) -> dict:
+    """One problem's result: graded answer, how it stopped, and what eviction did to it."""
+    ended = bool(ids) and ids[-1] in tok.eos_ids
+    pred = extract_answer(tok.decode(ids), "####" in r["answer"], ended)
+    kept = 1.0
+    if row in held:  # answer slots held after its last eviction + the tokens fed since; the last token is never fed
+        h, at = held[row]
+        fed = max(1, len(ids) - 1)
+        kept = (h + run.prompt_len[row] + fed - at) / fed
+    return {"i": run.ids[row], "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
+            "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids),
+            "stop": "eos" if ended else "max", "evictions": run.rounds[row], "kept": kept, "pred": pred}
+
+
 def accuracy(args, job: dict, lab: dict) -> dict:
+    """Free greedy answers to the first --n problems, --batch-size at a time. Each finished batch's outcomes are
+    saved (progress_file), so a killed sweep loses only the batch it was decoding and a rerun decodes the rest."""
     model, tok = model_of(args, lab)
     rows = load_data(args.data)[: args.n]
-    right = answered = tokens = loops = 0
-    for i in range(0, len(rows), args.batch_size):
-        batch = rows[i : i + args.batch_size]
-        prompts = [tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}])) for r in batch]
-        # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
+    path = progress_file(args, job)
+    done = {o["i"]: o for o in (read_json_file(path, dict)["done"] if path and path.exists() else [])}
+    todo = [i for i in range(len(rows)) if i not in done]
+    for at in tqdm(range(0, len(todo), args.batch_size), desc=f"{job['policy']} K={job['budget']}", leave=False):
+        idx = todo[at : at + args.batch_size]
+        prompts = [tok.encode(tok.chat([{"role": "user", "content": rows[i]["question"] + ASK}])) for i in idx]
+        # each problem's index in the sweep seeds its draws, so a row does not depend on its batch
         run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
-                       args.seed, ids=list(range(i, i + len(batch))))
+                       args.seed, ids=idx)
+        held, run.watch = answer_slots(run)
         outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
-        for r, ids in zip(batch, outs):
-            pred = extract_answer(tok.decode(ids), "####" in r["answer"])
-            right += is_correct(pred, r["answer"])
-            answered, tokens = answered + (pred is not None), tokens + len(ids)
-            loops += is_loop(ids, args.max_new_tokens, tok.eos_ids)
-    n = len(rows)
-    return {"accuracy": right / n, "answered": answered / n, "loops": loops / n, "mean_tokens": tokens / n}
+        for row, (i, ids) in enumerate(zip(idx, outs)):
+            done[i] = outcome(tok, rows[i], ids, args, run, row, held)
+        if path:
+            write_json(path, {"key": job, "done": list(done.values())})
+    per = [done[i] for i in range(len(rows))]
+    mean = lambda k: sum(o[k] for o in per) / len(per)
+    return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
+            "mean_tokens": mean("tokens"), "max_tokens": max(o["tokens"] for o in per),
+            "mean_evictions": mean("evictions"), "mean_kept": mean("kept"), "per_problem": per}
 
 
 def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str, gap: int) -> dict:
@@ -241,6 +279,58 @@ def probe(args, job: dict, lab: dict) -> dict:
         logprob += lp.gather(1, want).sum().item()
         recall += bool((lp.argmax(-1) == want[:, 0]).all())  # greedy would write exactly the answer
     return {"recall": recall / args.n, "logprob": logprob / args.n}
+
+
+# --- Random Attention's head-redundancy probe: a planted fact kept in only some KV heads ---------------------------
+
+
+def plant_fact(tok, trace: dict, i: int, seed: int, gap: int) -> dict:
+    """A probe built from one of the model's own full-cache conversations (the fidelity traces): 'Let x = NNNN.'
+    is planted in its first answer, the conversation runs on for about `gap` tokens, then a user turn asks for x
+    and the assistant's turn opens with 'The value of x is'. Returns ids, the fact's span and the answer's span."""
+    rng = random.Random(f"{seed}:{i}:heads")
+    secret = "".join(rng.choice("0123456789") for _ in range(4))
+    a, b = trace["spans"][0]
+    at = a + min(64, (b - a) // 2)  # inside the first answer, after some of its reasoning
+    fact = tok.encode(f"\n\nLet x = {secret}.\n\n")
+    body = trace["ids"][:at] + fact + trace["ids"][at:]
+    end = min(len(body), at + len(fact) + gap)  # cut the conversation about `gap` tokens after the fact
+    msgs = [{"role": "user", "content": "Q"}]  # the question turn, as the template writes it after an answer
+    turns = msgs + [{"role": "assistant", "content": "X"}, {"role": "user", "content": "What is the value of x?"}]
+    prefix = "The value of x is"
+    tail = turn_ids(tok, turns, tok.chat(msgs) + "X")[0] + tok.encode(prefix)
+    answer = tok.encode(prefix + " " + secret)[len(tok.encode(prefix)) :]
+    ids = body[:end] + tail + answer
+    return {"ids": ids, "fact": (at, at + len(fact)), "question": end, "answer": (len(ids) - len(answer), len(ids))}
+
+
+@torch.inference_mode()
+def masked_recall(model, pr: dict, keep_sets: list[list[int]]) -> list[tuple[bool, float]]:
+    """For each set of KV heads: once the trace has been read, the fact's slots stay in those heads and leave every
+    other head, in every layer (their position becomes FREE, so no query reads them); then the question is read and
+    the answer scored. Returns (greedy writes exactly the answer, log-probability of the answer) per set. The trace
+    is read once; the cache goes back to that point after each set."""
+    ids, (f0, f1), split, (a, b) = pr["ids"], pr["fact"], pr["question"], pr["answer"]
+    run = make_run("full", None, 64, None, 1)
+    cache = make_cache(model, run, len(ids))
+    x = torch.tensor([ids], device=model.device)
+    feed(model, cache, x[:, :split], run)  # the trace, fact included, read with every head
+    saved = cache.pos.clone(), list(cache.length), list(cache.next_pos)
+    out, eager = [], model.eager
+    # subtle: SDPA's fast paths let a chunk read every held slot; the masked path reads positions, so a FREE slot
+    # inside the held length is hidden from every query
+    model.eager = True
+    for keep in keep_sets:
+        for h in range(cache.pos.shape[2]):
+            if h not in keep:  # full cache: slot i holds position i
+                cache.pos[:, 0, h, f0:f1] = FREE
+        lp = feed(model, cache, x[:, split:], run, all_logits=True)[0, a - 1 - split : b - 1 - split].log_softmax(-1)
+        want = x[0, a:b, None]
+        out.append((bool((lp.argmax(-1) == want[:, 0]).all()), lp.gather(1, want).sum().item()))
+        cache.pos.copy_(saved[0])
+        cache.length, cache.next_pos = list(saved[1]), list(saved[2])
+    model.eager = eager
+    return out
 
 
 # --- output perturbation against the uncompressed cache (CriticalKV's measure) ---------------------------------
@@ -436,6 +526,14 @@ def locked(path: Path):
         yield
 
 
+def progress_file(args, job: dict) -> Path | None:
+    """Where a job's finished problems wait for its row: beside --out, named by a hash of the job's key."""
+    if not args.out:
+        return None
+    h = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(args.out + ".progress") / f"{job['policy']}-{h}.json"
+
+
 def rows_of(path: Path) -> list[dict]:
     return read_json_file(path, list) if path.exists() else []
 
@@ -451,6 +549,60 @@ def markdown(rows: list[dict], keys=()) -> str:
     lines = [" ".join(f"{c}={fmt(rows[0][c])}" for c in same)] if same else []
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
+
+
+# --- paired statistics over problems (Random Attention's way: every configuration answers the same problems) ---
+
+
+def bootstrap_diff(a: list[bool], b: list[bool], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """Accuracy of a minus accuracy of b on the same problems, with its paired bootstrap 95 % interval: resample
+    the problems with replacement (a problem keeps both of its outcomes) and take the 2.5 and 97.5 percentiles."""
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)  # [n] in {-1, 0, 1}
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)  # [resamples]
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return d.mean().item(), lo, hi
+
+
+def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
+    """McNemar's exact test: on the problems where exactly one of a and b is right (n10 for a, n01 for b), is a
+    50/50 split plausible? Two-sided p = 2 P[Binomial(n10 + n01, 1/2) <= min(n10, n01)], at most 1."""
+    n10 = sum(x and not y for x, y in zip(a, b))
+    n01 = sum(y and not x for x, y in zip(a, b))
+    n = n10 + n01
+    p = 2 * sum(math.comb(n, i) for i in range(min(n10, n01) + 1)) / 2**n
+    return n10, n01, min(1.0, p)
+
+
+def min_detectable(n: int, alpha: float = 0.05) -> float:
+    """The smallest accuracy difference n problems can show at all: k discordant problems, all one way, are
+    significant from k = 6 on at alpha = 0.05 (p = 2 / 2^k), so no difference below k / n can be."""
+    k = next(k for k in range(1, 64) if 2 / 2**k < alpha)
+    return k / n if n else float("nan")
+
+
+def outcomes(row: dict) -> dict[int, bool]:
+    return {o["i"]: o["correct"] for o in row.get("per_problem", [])}
+
+
+def paired_accuracy(rows: list[dict], base: dict) -> str:
+    """Each accuracy row against `base` on the problems both answered: the difference, its paired bootstrap 95 %
+    interval, the discordant problems (row right only / base right only) and the exact sign test's p. Markdown."""
+    ref = outcomes(base)
+    lines = ["| policy | K | protect | accuracy | Δ vs " + base["policy"] + " | 95 % interval | discordant | p |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        got = outcomes(r)
+        common = sorted(set(got) & set(ref))
+        if r is base or not common:
+            continue
+        a, b = [got[i] for i in common], [ref[i] for i in common]
+        d, lo, hi = bootstrap_diff(a, b)
+        n10, n01, p = sign_test(a, b)
+        lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['protect']} | {sum(a) / len(a):.3f} | {d:+.3f} | "
+                     f"[{lo:+.3f}, {hi:+.3f}] | {n10} / {n01} | {p:.3g} |")
+    n = len(ref)
+    return "\n".join(lines + [f"n = {n} problems: no difference below {min_detectable(n):.3f} can reach p < 0.05"])
 
 
 def paired(rows: list[dict], base: str = "snapkv") -> str:
@@ -485,6 +637,9 @@ def run_jobs(args, jobs: list[dict], measure) -> list[dict]:
         if path:
             with locked(path):
                 write_json(path, [r for r in rows_of(path) if not done(job, [r])] + [row])
+            progress = progress_file(args, job) if args.cmd != "bench" else None
+            if progress:  # the row holds its problems now
+                progress.unlink(missing_ok=True)
     rows = rows_of(path) if path else mine
     return [next(r for r in rows if done(j, [r])) for j in jobs if done(j, rows)]  # in job order
 

@@ -81,10 +81,11 @@ def as_number(s: str | None) -> float | None:
         return None
 
 
-def extract_answer(text: str, gsm8k: bool) -> str | None:
-    """GSM8K: last \\boxed{} or else the last number; MATH/AIME: the last \\boxed{}."""
+def extract_answer(text: str, gsm8k: bool, ended: bool = True) -> str | None:
+    """GSM8K: last \\boxed{} or else the last number; MATH/AIME: the last \\boxed{}. An answer cut off at the token
+    limit (ended=False) has a final answer only if it boxed one: a number met on the way is no answer."""
     boxed = last_boxed(text)
-    if boxed is not None or not gsm8k:
+    if boxed is not None or not gsm8k or not ended:
         return boxed
     nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return nums[-1].rstrip(",") if nums else None

@@ -1587,3 +1587,95 @@ def test_traces_do_not_depend_on_batch_size(smollm, tmp_path):
     text = "".join(smollm[1].decode(t["ids"]) for t in trs)
     assert all(text.count(f"What is {i} + {i}?") <= 1 for i in range(7))
     assert all(len(t["ids"]) >= 40 or len(t["spans"]) == 3 for t in trs)
+
+
+# -----------------------------------------------------------------------------
+# the claims study: paired statistics, graded outcomes per problem, the head-mask probe
+
+
+def test_sign_test_hand_worked():
+    """McNemar's exact test on the discordant problems: 5 to 0 gives p = 2/32; 6 to 1 gives 2 (1 + 7) / 128; a tie or no
+    discordant problem gives 1 (capped)."""
+    assert ev.sign_test([1] * 5 + [0] * 3, [0] * 8) == (5, 0, 0.0625)
+    assert ev.sign_test([1] * 6 + [0], [0] * 6 + [1]) == (6, 1, 0.125)
+    assert ev.sign_test([1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1])[2] == 1.0
+    assert ev.sign_test([1, 0], [1, 0]) == (0, 0, 1.0)
+
+
+def test_bootstrap_hand_worked():
+    """Two problems with differences (1, 0): resampled means are 0, 1/2, 1 with chances 1/4, 1/2, 1/4, so the 95 %
+    interval is [0, 1]; every difference +1 gives [1, 1]; the same seed gives the same interval."""
+    d, lo, hi = ev.bootstrap_diff([True, False], [False, False])
+    assert (d, lo, hi) == (0.5, 0.0, 1.0)
+    assert ev.bootstrap_diff([True] * 7, [False] * 7) == (1.0, 1.0, 1.0)
+    a, b = [i % 3 == 0 for i in range(50)], [i % 4 == 0 for i in range(50)]
+    assert ev.bootstrap_diff(a, b, seed=3) == ev.bootstrap_diff(a, b, seed=3)
+    d, lo, hi = ev.bootstrap_diff(a, b)
+    se = math.sqrt(sum(((x - y) - d) ** 2 for x, y in zip(a, b)) / 49 / 50)  # the normal approximation's 1.96 se
+    assert lo < d < hi and abs((hi - lo) / 2 - 1.96 * se) < 0.02
+
+
+def test_min_detectable():
+    """No difference below 6 discordant problems can reach p < 0.05 (2/2^5 = 0.0625, 2/2^6 = 0.031)."""
+    assert ev.min_detectable(100) == 0.06 and ev.min_detectable(50) == 0.12
+
+
+def test_paired_accuracy_table():
+    """Rows are paired by problem index: the difference, its interval and the discordant counts per policy."""
+    base = {"policy": "full", "budget": None, "protect": None,
+            "per_problem": [{"i": i, "correct": i < 6} for i in range(10)]}
+    row = {"policy": "snapkv", "budget": 128, "protect": False,
+           "per_problem": [{"i": i, "correct": i < 1} for i in range(10)]}
+    line = ev.paired_accuracy([base, row], base).splitlines()[2]
+    assert line.startswith("| snapkv | 128 | False | 0.100 | -0.500 | [") and "| 0 / 5 | 0.0625 |" in line
+
+
+@pytest.mark.parametrize("text, ended, pred", [
+    ("so she pays 16 - 3 = 13 dollars", True, "13"),  # ended on its own: the last number is its answer
+    ("so she pays 16 - 3 = 13 dollars", False, None),  # cut off at the limit: a number on the way is no answer
+    ("the total is \\boxed{18}. Then 1 + 1", False, "18"),  # cut off after a boxed answer: it counts
+])
+def test_truncated_answer_has_no_final_answer(text, ended, pred):
+    assert T.extract_answer(text, gsm8k=True, ended=ended) == pred
+
+
+def test_outcome_kept_share_matches_the_cache(tiny):
+    """The share of an answer's tokens still held at its end, as accuracy records it from the eviction rounds,
+    equals a count over the final cache (one row, which stays in the cache after it finishes)."""
+    prompt = list(range(1, 20))
+    run = G.make_run("snapkv", 48, 16, False, len(prompt))
+    held, run.watch = ev.answer_slots(run)
+    out, cache, _ = G.generate(tiny, [prompt], run, 120)
+    ids = out[0]
+    tok = SimpleNamespace(eos_ids=[0], decode=lambda ids: "")
+    o = ev.outcome(tok, {"answer": "#### 1"}, ids, SimpleNamespace(max_new_tokens=120), run, 0, held)
+    S = cache.length[0]
+    true = (cache.pos[:, 0, :, :S] >= len(prompt)).sum(-1).float().mean().item() / (len(ids) - 1)
+    assert o["evictions"] == run.rounds[0] >= 3 and abs(o["kept"] - true) < 1e-9 and o["kept"] < 0.5
+    assert o["stop"] == ("eos" if ids[-1] == 0 else "max") and o["i"] == 0
+
+
+def test_masked_recall_hides_the_fact_per_head(tiny):
+    """The head-mask probe: with the fact kept in every head, the answer's log-probability is the full cache's; with
+    it dropped from every head, it is the log-probability of the trace with the fact's tokens gone (an independent
+    forward over the same positions without them); the cache is put back after each set."""
+    from generate import feed, make_cache, make_run
+
+    ids = [int(x) for x in torch.randint(1, 100, (80,), generator=torch.Generator().manual_seed(1))]
+    pr = {"ids": ids, "fact": (20, 26), "question": 70, "answer": (76, 80)}
+    got = ev.masked_recall(tiny, pr, [[0, 1], [], [0], [0, 1]])
+    assert got[0] == got[3] and got[1][1] != got[0][1] != got[2][1]
+
+    def logprob(keep_fact: bool) -> float:  # eager, masked by position: the same arithmetic as the probe
+        run = make_run("full", None, 64, None, 1)
+        cache = make_cache(tiny, run, 80)
+        x = torch.tensor([ids])
+        feed(tiny, cache, x[:, :70], run)
+        if not keep_fact:
+            cache.pos[:, 0, :, 20:26] = FREE
+        tiny.eager = True
+        lp = feed(tiny, cache, x[:, 70:], run, all_logits=True)[0, 5:9].log_softmax(-1)
+        tiny.eager = False
+        return lp.gather(1, x[0, 76:80, None]).sum().item()
+
+    assert abs(got[0][1] - logprob(True)) < 1e-5 and abs(got[1][1] - logprob(False)) < 1e-5
