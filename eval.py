@@ -13,6 +13,7 @@ Free generation decodes --batch-size problems together. Left out: sampling / pas
 import argparse
 import fcntl
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -271,6 +272,8 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
 
 def probe(args, job: dict, lab: dict) -> dict:
     model, _ = model_of(args, lab)
+    if args.probe == "heads":
+        return head_probe(model, job["heads"], lab["probes"], args.seed)
     recall = logprob = 0.0
     for pr in lab["probes"]:  # built by check_jobs
         a, b = pr["answer"]
@@ -331,6 +334,18 @@ def masked_recall(model, pr: dict, keep_sets: list[list[int]]) -> list[tuple[boo
         cache.length, cache.next_pos = list(saved[1]), list(saved[2])
     model.eager = eager
     return out
+
+
+def head_probe(model, k: int, probes: list[dict], seed: int) -> dict:
+    """Recall and answer log-probability with the fact kept in exactly k of each layer's KV heads: every set of k
+    heads (8 drawn at random where there are more), each probe, averaged."""
+    sets = [list(c) for c in itertools.combinations(range(model.cfg.num_key_value_heads), k)]
+    sets = random.Random(f"{seed}:{k}").sample(sets, 8) if len(sets) > 8 else sets
+    got = [masked_recall(model, pr, sets) for pr in probes]  # [probe][set] of (recall, logprob)
+    flat = [x for g in got for x in g]
+    return {"recall": sum(r for r, _ in flat) / len(flat), "logprob": sum(lp for _, lp in flat) / len(flat),
+            "head_sets": len(sets), "recall_by_probe": [sum(r for r, _ in g) / len(g) for g in got],
+            "gap_tokens": sum(pr["question"] - pr["fact"][1] for pr in probes) / len(probes)}
 
 
 # --- output perturbation against the uncompressed cache (CriticalKV's measure) ---------------------------------
@@ -458,6 +473,9 @@ def make_jobs(args) -> list[dict]:
     extra = {}
     if args.cmd == "probe":  # the planted fact always sits in the trace: --where is for the passcode
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
+    if args.cmd == "probe" and args.probe == "heads":  # the full cache, the fact kept in k of the KV heads
+        jobs = [{"policy": "full", "budget": None, "protect": None, "heads": k} for k in args.heads]
+        extra["min_tokens"] = args.min_tokens
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
@@ -468,13 +486,16 @@ def make_jobs(args) -> list[dict]:
 def check_jobs(args, jobs: list[dict], lab: dict):
     """Refuse, in one line and before the first job runs, any setting that would fail mid-sweep."""
     for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap"):
-        if getattr(args, flag, 1) < 1:
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
     model, tok = model_of(args, lab)
     rows = load_data(args.data)
     if args.cmd == "accuracy":
         lens = [len(tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}]))) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
+    elif args.cmd == "probe" and args.probe == "heads":  # the model's own conversations, a fact planted in each
+        pr = lab["probes"] = [plant_fact(tok, tr, i, args.seed, args.gap) for i, tr in enumerate(traces(args, lab))]
+        lens, longest = [len(p["ids"]) for p in pr], max(len(p["ids"]) for p in pr)
     elif args.cmd == "probe":
         pr = lab["probes"] = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap)
                               for i in range(args.n)]  # every job replays these same probes
@@ -681,10 +702,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "holds this many tokens")
     sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
     p = sub.add_parser("probe", parents=[shared], help="passcode / planted-fact recall after a long trace")
-    p.add_argument("--probe", choices=["passcode", "fact"], default="passcode", help="passcode: a code said once, "
-                   "asked at the end; fact: 'x = 7291' planted in the trace, asked --gap tokens later")
+    p.add_argument("--probe", choices=["passcode", "fact", "heads"], default="passcode", help="passcode: a code said "
+                   "once, asked at the end; fact: 'x = 7291' planted in the trace, asked --gap tokens later; heads: "
+                   "Random Attention's head-redundancy probe, the fact planted in the model's own full-cache answers "
+                   "and kept in only k KV heads of every layer before the question (the full cache, k = 0 ... H_kv)")
     p.add_argument("--where", choices=["prompt", "trace"], default="prompt", help="where the passcode is said")
     p.add_argument("--gap", type=int, default=1536, help="trace tokens between the secret and the question (>= 1)")
+    p.add_argument("--min-tokens", type=int, default=None, help=argparse.SUPPRESS)  # heads: the traces' length
     p = sub.add_parser("perturbation", parents=[shared], help="CriticalKV's ||o - o_hat||_1 against the "
                        "uncompressed cache at each eviction")
     p.add_argument("--min-tokens", type=int, default=1024, help="as for fidelity (the same traces)")
@@ -706,13 +730,19 @@ def main(argv=None):
             load_data(args.data)  # fail on a bad file before loading the model
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype)[0]).type == "cuda" else 16
-            jobs, lab = make_jobs(args), {}
+            lab = {}
+            if args.cmd == "probe" and args.probe == "heads":
+                args.heads = list(range(model_of(args, lab)[0].cfg.num_key_value_heads + 1))
+                args.min_tokens = args.gap + 256  # the conversations run on past the question's place
+            jobs = make_jobs(args)
             check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
         rows = run_jobs(args, jobs, measure)
         print(markdown(rows, keys=set().union(*jobs)))
         if args.cmd == "fidelity" and paired(rows):
             print("\n" + paired(rows))
+        if args.cmd == "accuracy" and len(rows) > 1:
+            print("\nPaired against the full cache on the same problems:\n" + paired_accuracy(rows, rows[0]))
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
