@@ -30,7 +30,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from generate import (Parser, UsageError, add_device_args, feed, generate, int_list, load, make_cache, make_run,
-                      policy_names, resolve_device)
+                      output_failed, policy_names, resolve_device)
 from model import ModelError
 from cache import FREE
 from policies import POLICIES
@@ -749,6 +749,8 @@ def main(argv=None):
         sys.exit("\ninterrupted: finished rows are in --out; rerun the same command to resume")
     except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
         sys.stderr.close()
+    except OSError as e:  # e.g. `> /dev/full`: one line, not a traceback
+        output_failed(e)
 
 
 if __name__ == "__main__":

@@ -373,9 +373,16 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("\ninterrupted")
-    except BrokenPipeError:  # e.g. `python generate.py | head -2`: the reader left, so we stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
-        sys.exit(1)
+    except OSError as e:
+        output_failed(e)
+
+
+def output_failed(e: OSError):
+    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line (a full disk under
+    `> /dev/full`, a file we cannot read)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {e.filename or 'cannot write the output'}: "
+             f"{e.strerror or e}")
 
 
 def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:

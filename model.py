@@ -3,16 +3,17 @@ A from-scratch Llama / Mistral / Qwen2 / Qwen3 forward pass, safetensors loading
 its chat template. Each forward runs a chunk of tokens for every row of a batch (a prompt, a replayed chunk,
 one decode step), reading and writing the flat KV cache of cache.py; rows may differ in length and position.
 
-Reads config.json in both the transformers 4 layout (top-level rope_theta / rope_scaling) and the
-transformers 5 one (rope_parameters, layer_types). RoPE types: default, linear, llama3, yarn; sliding-window
-layers (Mistral, Qwen2/3) mask by token position. Left out: training, dropout, dynamic-NTK RoPE (refused), MoE.
-References: Llama (https://arxiv.org/abs/2302.13971), the HF `modeling_llama.py` key names and
+config.py reads and checks config.json (both transformers layouts). RoPE types: default, linear, llama3, yarn;
+sliding-window layers (Mistral, Qwen2/3) mask by token position. Left out: training, dropout, dynamic-NTK RoPE
+(refused), MoE. References: Llama (https://arxiv.org/abs/2302.13971), the HF `modeling_llama.py` key names and
 `modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071), gpt-fast and nano-vllm.
 """
 
 import json
 import math
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -21,132 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json, token_ids
 from kernels import linear, rms_norm, rope
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_FIELDS = {  # what each supported RoPE type needs from the config (HF modeling_rope_utils)
-    "default": (), "linear": ("factor",), "yarn": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-class ModelError(Exception):
-    """A user-facing problem with a model directory: the message names it and the fix."""
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from path, or a one-line ModelError naming the file."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path} is not valid JSON ({e}): re-download or re-convert the model") from None
-    if not isinstance(obj, dict):
-        raise ModelError(f"{path} holds a JSON {type(obj).__name__}, not an object: re-download the model")
-    return obj
-
-
 # -----------------------------------------------------------------------------
-# config
-
-
-@dataclass
-class ModelConfig:
-    model_type: str = "llama"
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 9
-    num_key_value_heads: int = 3
-    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen3 sets it explicitly)
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "yarn", ...}; None = default RoPE
-    max_position_embeddings: int = 8192  # the longest sequence we accept
-    sliding_window: int = 0  # W: a sliding layer's query at q sees keys q - W < k <= q (0 = none)
-    layer_types: list[str] = field(default_factory=list)  # per layer "full_attention" or "sliding_attention"
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
-    eos_token_id: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}: GQA needs whole groups")
-        self.n_rep = self.num_attention_heads // self.num_key_value_heads  # query heads per KV head
-        self.layer_types = self.layer_types or ["full_attention"] * self.num_hidden_layers
-
-    @classmethod
-    def from_hf(cls, path: str | Path) -> "ModelConfig":
-        """Read a Hugging Face config.json (a file or the directory holding it), transformers 4 or 5 layout."""
-        path = Path(path)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise ModelError(f"no config.json in {path.parent}: pass --model a Hugging Face model directory")
-        c = read_json(path)
-        mt = c.get("model_type")
-        if mt not in SUPPORTED:
-            raise ModelError(f"unsupported model_type {mt!r} in {path}: nanokv supports {', '.join(SUPPORTED)}")
-        fields = cls.__dataclass_fields__
-        kw = {k: v for k, v in c.items() if k in fields and v is not None}
-        for k, v in kw.items():  # numbers must be numbers: a string here would fail far from its cause
-            want = fields[k].type
-            if want in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                         or want is int and v != int(v)):
-                raise ModelError(f"{path}: {k} is {v!r}, expected {'an integer' if want is int else 'a number'}")
-        theta, scaling = rope_settings(c, path)
-        eos = c.get("eos_token_id")
-        kw.update(
-            model_type=mt, rope_theta=theta, rope_scaling=scaling,
-            qkv_bias=mt == "qwen2" or bool(c.get("attention_bias", False)), qk_norm=mt == "qwen3",
-            eos_token_id=eos if isinstance(eos, list) else [] if eos is None else [eos],
-            **sliding_settings(c, mt, path),
-        )
-        return cls(**kw)
-
-
-def rope_settings(c: dict, path: Path) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or transformers 4's top-level keys."""
-    rp = c.get("rope_parameters")  # transformers 5: {"rope_type": ..., "rope_theta": ..., scaling fields}
-    if rp is not None and (not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values())):
-        raise ModelError(f"{path}: rope_parameters must be one dict of RoPE settings (per-layer-type RoPE, as in "
-                         "Gemma 3, is not supported)")
-    s = dict(rp if rp is not None else c.get("rope_scaling") or {})
-    theta = s.pop("rope_theta", c.get("rope_theta", 10000.0))
-    kind = s.pop("rope_type", s.pop("type", "default"))
-    if kind == "dynamic":
-        raise ModelError(f"{path}: dynamic-NTK RoPE re-rotates every position as the sequence grows, which "
-                         "post-RoPE cached keys cannot follow: nanokv refuses it (use a default/yarn config)")
-    if kind not in ROPE_FIELDS:
-        raise ModelError(f"{path}: unsupported RoPE type {kind!r}: nanokv implements {', '.join(ROPE_FIELDS)}")
-    missing = [f for f in ROPE_FIELDS[kind] if not isinstance(s.get(f), (int, float))]
-    if missing or not isinstance(theta, (int, float)):
-        raise ModelError(f"{path}: RoPE type {kind!r} needs numeric {', '.join(missing or ['rope_theta'])}")
-    return float(theta), None if kind == "default" else {"rope_type": kind, **s}
-
-
-def sliding_settings(c: dict, mt: str, path: Path) -> dict:
-    """sliding_window and the per-layer types, as transformers decides them: Mistral slides every layer when
-    sliding_window is set; Qwen2/3 only with use_sliding_window, from layer max_window_layers on; an explicit
-    layer_types (transformers 5) wins."""
-    L = c.get("num_hidden_layers", ModelConfig.num_hidden_layers)
-    window = c.get("sliding_window") if mt == "mistral" or c.get("use_sliding_window") else None
-    types = c.get("layer_types")
-    if types is None:
-        # transformers' Qwen2Config / Qwen3Config default max_window_layers to 28
-        first = c.get("max_window_layers", 28) if mt in ("qwen2", "qwen3") else 0
-        types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(L)]
-    if not isinstance(types, list) or len(types) != L:
-        raise ModelError(f"{path}: layer_types must list one type for each of the {L} layers")
-    bad = set(types) - {"full_attention", "sliding_attention"}
-    if bad:
-        raise ModelError(f"{path}: unsupported layer type {sorted(bad)[0]!r}: nanokv runs full_attention and "
-                         "sliding_attention layers")
-    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
-        types = ["full_attention"] * L  # transformers too: without a window size a sliding layer sees everything
-    return {"sliding_window": window or 0, "layer_types": types}
+# RoPE
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
@@ -165,8 +45,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
     if kind == "yarn":  # interpolate the dimensions that rotate fewer than beta_slow times over the old context,
         # keep those that rotate more than beta_fast times, ramp linearly in between; then sharpen attention
-        factor = s["factor"]
-        old = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        factor, old = s["factor"], s["original_max_position_embeddings"]  # config.py fills in the latter
         fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
         dim = lambda rotations: D * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
         lo, hi = dim(fast), dim(slow)
@@ -175,8 +54,10 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
         lo, hi = max(lo, 0), min(hi, D - 1)
         ramp = ((torch.arange(D // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
         mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1
-        scale = s.get("attention_factor") or (mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
-                                              if s.get("mscale") and s.get("mscale_all_dim") else mscale())
+        scale = s.get("attention_factor")
+        if scale is None:
+            scale = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if s.get("mscale") and s.get("mscale_all_dim") \
+                else mscale()
         return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(scale)
     return inv_freq, 1.0
 
@@ -309,10 +190,11 @@ class MLP(nn.Module):
         I = cfg.intermediate_size
         self.w13, _, (self.gate_proj, self.up_proj) = fused([I, I], cfg.hidden_size, False, **kw)
         self.down_proj = Linear(weight(cfg.hidden_size, I, **kw))
+        self.act = ACTIVATIONS[cfg.hidden_act]  # SiLU (SwiGLU) in most configs; hidden_act may name GELU or ReLU
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = linear(x, self.w13).chunk(2, dim=-1)  # SwiGLU
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = linear(x, self.w13).chunk(2, dim=-1)  # [B, T, I] each
+        return linear(self.act(gate) * up, self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -396,46 +278,117 @@ class Transformer(nn.Module):
 # loading
 
 
-def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
-    """Build the model for path's config.json and copy in its safetensors (single file or sharded)."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files transformers reads: model.safetensors, else those model.safetensors.index.json names.
+    Any other file beside them (e.g. Mistral's consolidated.safetensors, the same weights in another layout) is left."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ModelError(f"no model.safetensors or model.safetensors.index.json in {path}: convert the checkpoint to "
+                         "Hugging Face safetensors first")
+    names = read_json(index).get("weight_map")
+    if not isinstance(names, dict) or not names or not all(isinstance(f, str) for f in names.values()):
+        raise ModelError(f"{index}: weight_map must map each tensor name to its file name: re-download the model")
+    files = [path / f for f in sorted(set(names.values()))]
+    for f in files:
+        if not f.is_file():
+            raise ModelError(f"{index} names {f.name}, which is not in {path}: download the missing shard")
+    return files
+
+
+@contextmanager
+def opened(file: Path):
+    """safe_open(file) on the CPU; a damaged file is one ModelError line."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"corrupt safetensors file {file}: {e} (re-download or re-convert it)") from None
+
+
+def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
+    """Build the model for path's config.json and copy in its safetensors (single file or sharded). Every check
+    reads only the safetensors headers and a model on the meta device, so a mismatch stops before any allocation."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"model directory {path} does not exist: pass --model a Hugging Face model directory")
     cfg = ModelConfig.from_hf(path)
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(read_json(index).get("weight_map", {}).values())) if index.exists() else []
-    files = [path / f for f in files] or sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no *.safetensors weights in {path}: convert the checkpoint to safetensors first")
-    model = Transformer(cfg, device, dtype)
-    want = dict(model.named_parameters())
+    files = weight_files(path)
+    shapes = {}  # tensor name -> (file name, shape)
     for file in files:
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name not in want:
-                        tied = name == "lm_head.weight" and cfg.tie_word_embeddings
-                        if tied or name.endswith("rotary_emb.inv_freq"):
-                            continue  # derived or tied: nothing to load
-                        raise ModelError(f"tensor {name} in {file.name} has no place in nanokv's {cfg.model_type} "
-                                         "model (e.g. an o_proj or MLP bias): this checkpoint variant is unsupported")
-                    t, p = f.get_tensor(name), want.pop(name)
-                    if t.shape != p.shape:
-                        raise ModelError(f"tensor {name} in {file.name} has shape {list(t.shape)}, expected "
-                                         f"{list(p.shape)}: the weights do not match config.json")
-                    p.copy_(t)
-        except (SafetensorError, OSError) as e:
-            raise ModelError(f"corrupt safetensors file {file}: {e} (re-download or re-convert it)") from None
-    if want:
-        raise ModelError(f"tensor {next(iter(want))} missing from the checkpoint in {path} "
-                         f"({len(want)} missing in all): the weights do not match config.json")
+        with opened(file) as f:
+            shapes |= {name: (file.name, f.get_slice(name).get_shape()) for name in f.keys()}
+    check_weights(cfg, shapes, path)  # config.json's sizes against the tensors, each mismatch naming its key
+    want = {name: list(p.shape) for name, p in Transformer(cfg, "meta").named_parameters()}  # costs no memory
+    for name, (file, shape) in shapes.items():
+        if name not in want:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+                continue  # tied or derived: nothing to load
+            raise ModelError(f"tensor {name} in {file} has no place in nanokv's {cfg.model_type} model: this "
+                             "checkpoint variant is unsupported")
+        if shape != want[name]:
+            raise ModelError(f"tensor {name} in {file} has shape {shape}, expected {want[name]}: the weights do not "
+                             "match config.json")
+    missing = [name for name in want if name not in shapes]
+    if missing:
+        raise ModelError(f"tensor {missing[0]} missing from the checkpoint in {path} ({len(missing)} missing in all): "
+                         "the weights do not match config.json")
+    model = Transformer(cfg, device, dtype)
+    params = dict(model.named_parameters())
+    for file in files:
+        with opened(file) as f:
+            for name in f.keys():
+                if name in params:
+                    params[name].copy_(f.get_tensor(name))
     return model.eval()
 
 
 # -----------------------------------------------------------------------------
 # tokenizer and chat template
+
+
+def chat_template(path: Path, config: dict) -> tuple[str | None, Path]:
+    """The chat template and the file it comes from: chat_template.jinja, else tokenizer_config.json's chat_template,
+    one string or a list of named templates ([{"name": "default", "template": ...}, ...]). Of a list we render
+    "default", as transformers does when no tools are passed."""
+    file = path / "chat_template.jinja"
+    if file.exists():
+        try:
+            return file.read_text(encoding="utf-8"), file
+        except UnicodeDecodeError as e:
+            raise ModelError(f"{file} is not UTF-8 text ({e}): re-download the model") from None
+    file, t = path / "tokenizer_config.json", config.get("chat_template")
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        if "default" not in named:
+            raise ModelError(f"{file}: chat_template lists the templates {sorted(map(str, named))} but none named "
+                             "'default', the one nanokv renders: rename one of them")
+        t = named["default"]
+    if t is not None and not isinstance(t, str):
+        raise ModelError(f"{file}: chat_template must be a string or a list of {{name, template}} entries")
+    return t, file
+
+
+def template_env():
+    """Jinja set up as transformers sets it up for chat templates: sandboxed (range() stops at 100,000 items),
+    trim_blocks and lstrip_blocks, {% break %} and {% continue %}, raise_exception, strftime_now (Llama 3.2's
+    templates print today's date) and a tojson that keeps non-ASCII text and key order as they are."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    def tojson(x, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+        return json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = tojson
+    return env
 
 
 class Tokenizer:
@@ -452,16 +405,13 @@ class Tokenizer:
                              "re-download or re-convert the model") from None
         tc = path / "tokenizer_config.json"
         self.config = read_json(tc) if tc.exists() else {}
-        template = self.config.get("chat_template")
-        if (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
-        self.template = template
+        self.template, self.template_file = chat_template(path, self.config)
+        self.compiled = None  # the template, compiled on first use
         special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
         self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
         cfg = ModelConfig.from_hf(path)
         gen = path / "generation_config.json"
-        extra = read_json(gen).get("eos_token_id", []) if gen.exists() else []
-        eos = set(cfg.eos_token_id) | set(extra if isinstance(extra, list) else [extra])
+        eos = set(cfg.eos_token_id) | set(token_ids(read_json(gen).get("eos_token_id"), gen) if gen.exists() else [])
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = sorted(eos)
@@ -477,14 +427,11 @@ class Tokenizer:
         """Render messages with the model's own Jinja chat template, as HF's apply_chat_template does."""
         if not self.template:  # a base model: plain text, turn after turn
             return "\n".join(m["content"] for m in messages) + "\n"
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise ModelError(f"chat template error: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token,
-        )
+        try:
+            self.compiled = self.compiled or template_env().from_string(self.template)
+            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception as e:  # the template is code from the model's files, so any failure is theirs to fix
+            line = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise ModelError(f"{self.template_file}: the chat template fails{line} ({type(e).__name__}: "
+                             f"{(str(e) or '?').splitlines()[0]}): fix the template there") from None

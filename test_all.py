@@ -6,6 +6,7 @@ Run: python -m pytest -q test_all.py
 """
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -48,7 +49,7 @@ ARCHS = {
     "mistral-window": dict(model_type="mistral", sliding_window=16),  # every layer slides
     "qwen2-window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1),
     "qwen3-layer-types": dict(model_type="qwen3", use_sliding_window=True, sliding_window=10,  # transformers 5
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                              head_dim=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -229,7 +230,7 @@ def test_rope_frequencies_hand_worked():
     betas 32 / 1): correction dims 8 ln(64 / (2 pi beta)) / (2 ln 1e4) = -0.497 and 1.008 -> [0, 2], ramp
     [0, 0.5, 1, 1] -> [1, 0.1 (0.5 / 4 + 0.5), 0.01 / 4, 0.001 / 4]; attention factor 0.1 ln 4 + 1 = 1.138629."""
     inv = [1.0, 0.1, 0.01, 0.001]
-    close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
+    close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want).double(), rtol=1e-5, atol=0)
     f, scale = rope_of()
     close(f, inv)
     assert scale == 1.0
@@ -245,10 +246,10 @@ def test_rope_frequencies_hand_worked():
 @pytest.mark.parametrize("over, needle", [
     (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "dynamic-NTK RoPE"),
     (dict(rope_scaling=dict(type="longrope", factor=2.0)), "unsupported RoPE type 'longrope'"),
-    (dict(rope_scaling=dict(rope_type="linear")), "needs numeric factor"),
+    (dict(rope_scaling=dict(rope_type="linear")), "needs rope_scaling.factor"),
     (dict(rope_parameters=dict(full_attention=dict(rope_type="default"))), "per-layer-type RoPE"),
     (dict(model_type="qwen3", sliding_window=8, layer_types=["chunked_attention"] * 3), "unsupported layer type"),
-    (dict(layer_types=["full_attention"]), "one type for each of the 3 layers"),
+    (dict(model_type="qwen3", layer_types=["full_attention"]), "one type for each of the 3 layers"),
 ])
 def test_unsupported_configs_are_one_line(tmp_path, over, needle):
     """RoPE types and layer types nanokv does not implement are refused in one line naming them."""
@@ -273,6 +274,171 @@ def test_sharded_checkpoint_loads(tmp_path):
     json.dump({"weight_map": {n: f for f, ns in parts.items() for n in ns}}, open(os.path.join(shard, "model.safetensors.index.json"), "w"))
     tokens = torch.arange(1, 20)
     torch.testing.assert_close(full_logits(load_model(shard), tokens), full_logits(load_model(path), tokens))
+
+
+DROP = object()
+
+
+def edit_config(path, **kw):
+    """Set (or, with None, set to null) keys of path's config.json; DROP removes a key."""
+    f = os.path.join(path, "config.json")
+    c = dict(json.load(open(f)), **kw)
+    json.dump({k: v for k, v in c.items() if v is not DROP}, open(f, "w"))
+    return path
+
+
+ACTS = {  # hidden_act -> its documented formula (transformers' ACT2FN: GELUActivation is the exact erf form)
+    "silu": lambda x: x * torch.sigmoid(x), "swish": lambda x: x * torch.sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "gelu_pytorch_tanh": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
+    "relu": lambda x: x.clamp(min=0),
+}
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_hidden_act_hand_computed(tmp_path, act):
+    """hidden_act picks the MLP's gate activation: the MLP equals down(act(gate x) * up x), act written from its
+    formula (a gelu config ran SiLU before: logits 0.13-0.28 apart from transformers')."""
+    mlp = load_model(tiny_dir(str(tmp_path), hidden_act=act)).model.layers[0].mlp
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    w = lambda m: m.weight.T
+    want = (ACTS[act](x @ w(mlp.gate_proj)) * (x @ w(mlp.up_proj))) @ w(mlp.down_proj)
+    torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+
+
+# transformers 5.24's config classes, for a config.json that gives only these four keys
+MINIMAL = dict(hidden_size=1024, num_attention_heads=32, num_hidden_layers=30)
+HF_DEFAULTS = {  # model_type -> (vocab, intermediate, KV heads, head_dim, max positions, window, sliding layers)
+    "llama": (32000, 11008, 32, 32, 2048, 0, []),  # KV heads = heads: Llama-1 has no GQA
+    "mistral": (32000, 14336, 8, 32, 131072, 4096, list(range(30))),  # a window of 4096 on every layer
+    "qwen2": (151936, 22016, 32, 32, 32768, 0, []),  # windows only with use_sliding_window
+    "qwen3": (151936, 22016, 32, 128, 32768, 0, []),  # head_dim 128, whatever hidden_size says
+}
+
+
+@pytest.mark.parametrize("mt", HF_DEFAULTS)
+def test_missing_keys_take_transformers_defaults(tmp_path, mt):
+    """A key config.json leaves out takes the default of transformers' config class for its model_type (Llama-,
+    Mistral-, Qwen2-, Qwen3Config), not nanokv's: rms_norm_eps 1e-6 for all four, Mistral's window of 4096, ..."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type=mt, **MINIMAL)))
+    c = ModelConfig.from_hf(tmp_path)
+    V, I, H_kv, D, max_pos, W, sliding = HF_DEFAULTS[mt]
+    assert (c.vocab_size, c.intermediate_size, c.num_key_value_heads, c.head_dim) == (V, I, H_kv, D)
+    assert (c.max_position_embeddings, c.sliding_window, c.rms_norm_eps, c.rope_theta) == (max_pos, W, 1e-6, 1e4)
+    assert [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"] == sliding
+    assert c.hidden_act == "silu" and c.rope_scaling is None and not c.tie_word_embeddings and c.eos_token_id == []
+    if mt.startswith("qwen"):  # a Qwen window without its size: 4096, from layer max_window_layers = 28 on
+        edit_config(tmp_path, use_sliding_window=True)
+        c = ModelConfig.from_hf(tmp_path)
+        assert c.sliding_window == 4096 and c.layer_types == ["full_attention"] * 28 + ["sliding_attention"] * 2
+
+
+def test_defaults_load_checkpoints_nanokv_refused(tmp_path):
+    """Three checkpoints transformers loads and nanokv refused: Llama-1 style (no num_key_value_heads: as many as
+    heads), Qwen3 without head_dim (128), and a stray consolidated.safetensors beside model.safetensors (ignored)."""
+    tokens = torch.arange(1, 30)
+    logits = lambda path: full_logits(load_model(path), tokens)
+    for name, over, key in [("llama1", dict(num_key_value_heads=4), "num_key_value_heads"),
+                            ("qwen3", dict(model_type="qwen3", head_dim=128), "head_dim")]:
+        path = tiny_dir(str(tmp_path / name), **over)
+        torch.testing.assert_close(logits(edit_config(path, **{key: DROP})), logits(tiny_dir(str(tmp_path), **over)))
+    (tmp_path / "consolidated.safetensors").write_bytes(b"not the weights nanokv reads")
+    logits(str(tmp_path))
+
+
+def test_window_keys_only_where_windows_exist(tmp_path):
+    """Only the model types with windows read window keys: transformers' Llama ignores use_sliding_window,
+    sliding_window and layer_types; a Mistral with layer_types follows them (transformers reads it as Ministral);
+    a Qwen2 window needs use_sliding_window."""
+    window = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    for mt, W, types in [("llama", 0, ["full_attention"] * 2), ("mistral", 8, window["layer_types"]),
+                         ("qwen2", 8, window["layer_types"])]:
+        c = {"model_type": mt, **MINIMAL, **window, "num_hidden_layers": 2}
+        (tmp_path / "config.json").write_text(json.dumps(c))
+        c = ModelConfig.from_hf(tmp_path)
+        assert (c.sliding_window, c.layer_types) == (W, types)
+    edit_config(str(tmp_path), use_sliding_window=False, layer_types=DROP)
+    assert ModelConfig.from_hf(tmp_path).sliding_window == 0
+
+
+def rope_from_json(path, **c) -> torch.Tensor:
+    from model import rope_frequencies
+
+    path.joinpath("config.json").write_text(json.dumps(dict(model_type="qwen2", hidden_size=32, num_attention_heads=4,
+                                                            num_key_value_heads=4, **c)))
+    return rope_frequencies(ModelConfig.from_hf(path))[0]
+
+
+def test_rope_keys_follow_transformers_precedence(tmp_path):
+    """Where transformers looks for each RoPE setting, on the hand-worked cases of the test above (D = 8, theta 1e4):
+    yarn (factor 4, betas 32 / 1) with a top-level original_max_position_embeddings of 16 beside the dict's 64 uses 16:
+    correction dims 8 ln(16 / (2 pi beta)) / (2 ln 1e4) = -1.099 and 0.406 -> [0, 1], ramp [0, 1, 1, 1] ->
+    [1, 0.1 / 4, 0.01 / 4, 0.001 / 4]. llama3 takes the top-level key too, and max_position_embeddings without either.
+    rope_scaling wins over rope_parameters, theta then coming from the top-level rope_theta."""
+    close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want).double(), rtol=1e-5, atol=0)
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    close(rope_from_json(tmp_path, rope_scaling=yarn), [1.0, 0.0625, 0.0025, 0.00025])  # the dict's 64
+    close(rope_from_json(tmp_path, rope_scaling=yarn, original_max_position_embeddings=16),
+          [1.0, 0.025, 0.0025, 0.00025])
+    llama3 = [1.0, 0.0427511, 0.00125, 0.000125]  # original 128, as in the test above
+    l3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    close(rope_from_json(tmp_path, rope_scaling=dict(l3, original_max_position_embeddings=999),
+                         original_max_position_embeddings=128), llama3)
+    close(rope_from_json(tmp_path, rope_scaling=l3, max_position_embeddings=128), llama3)
+    both = dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e6), rope_theta=1e4)
+    close(rope_from_json(tmp_path, rope_scaling=dict(rope_type="linear", factor=4.0), **both),
+          [0.25, 0.025, 0.0025, 0.00025])
+    close(rope_from_json(tmp_path, rope_scaling={}, **both), [0.5, 0.5 * 10**-1.5, 0.5e-3, 0.5 * 10**-4.5])
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(num_key_value_heads=0), "num_key_value_heads is 0, expected a whole number >= 1"),
+    (dict(num_hidden_layers=3.0), "num_hidden_layers is 3.0, expected a whole number"),
+    (dict(num_attention_heads=True), "num_attention_heads is true"),
+    (dict(rms_norm_eps="1e-5"), 'rms_norm_eps is "1e-5", expected a number above 0'),
+    (dict(rms_norm_eps=None), "rms_norm_eps is null"),
+    (dict(hidden_act="gelu_new"), 'hidden_act is "gelu_new", expected one of silu'),
+    (dict(eos_token_id="</s>"), 'eos_token_id is "</s>", expected a token id'),
+    (dict(vocab_size=10**12), "vocab_size is 1000000000000, but model.embed_tokens.weight in model.safetensors has "
+                              "101 rows"),
+    (dict(intermediate_size=10**12), "intermediate_size is 1000000000000, but model.layers.0.mlp.gate_proj.weight"),
+    (dict(num_hidden_layers=100000), "num_hidden_layers is 100000, but the weights hold layers 0 to 2: set"),
+    (dict(num_key_value_heads=DROP, num_attention_heads=6), "num_attention_heads x head_dim (6 x 10) is 60, but"),
+    (dict(model_type="mistral", num_key_value_heads=DROP), "num_key_value_heads 8 (transformers' mistral default, as "
+                                                           "config.json has none)"),
+    (dict(head_dim=15), "head_dim is 15, but RoPE rotates pairs"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 would rotate part of each head"),
+    (dict(rope_scaling=dict(rope_type="linear", factor=2.0, partial_rotary_factor=0.25)), "partial_rotary_factor 0.25"),
+    (dict(attention_bias=True), "attention_bias is true, which gives llama an o_proj bias"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0)),
+     "high_freq_factor must exceed low_freq_factor"),
+    (dict(model_type="qwen2", layer_types=[{}, {}, {}]), "layer_types must list one type for each of the 3 layers"),
+])
+def test_bad_config_values_are_one_line(tmp_path, over, needle):
+    """Every config key nanokv reads is checked for type, range and agreement with the tensors' shapes, before the
+    model is allocated: one line naming the file and the key (vocab_size 10**12 once tried to allocate 2.3 PB, and
+    100,000 layers hung)."""
+    with pytest.raises(ModelError) as e:
+        load_model(edit_config(tiny_dir(str(tmp_path)), **over))
+    assert needle in str(e.value) and "config.json" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_weights_are_read_from_model_safetensors_or_the_index(tmp_path):
+    """The weights are model.safetensors, or the files the index names: a weight_map that is not a name -> file
+    dict, or that names a file not there, is one line."""
+    from safetensors.torch import load_file
+
+    path = tiny_dir(str(tmp_path))
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "a.safetensors"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    for weight_map, needle in [(["a.safetensors"], "weight_map must map each tensor name"),
+                               ({n: "b.safetensors" for n in sd}, "names b.safetensors, which is not in")]:
+        json.dump({"weight_map": weight_map}, open(index, "w"))
+        with pytest.raises(ModelError, match=needle):
+            load_model(path)
+    json.dump({"weight_map": {n: "a.safetensors" for n in sd}}, open(index, "w"))
+    load_model(path)
 
 
 def test_cached_decode_equals_full_forward(tiny):
@@ -1008,12 +1174,13 @@ def bad_dir(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind,needle", [("extra", "has no place in nanokv's llama model"),
-                                         ("no-config", "no config.json"), ("no-weights", "no *.safetensors"),
+                                         ("no-config", "no config.json"),
+                                         ("no-weights", "no model.safetensors or model.safetensors.index.json"),
                                          ("arch", "unsupported model_type 'gpt2'"), ("corrupt", "corrupt safetensors"),
                                          ("missing", "model.layers.1.mlp.up_proj.weight missing"),
                                          ("shape", "model.norm.weight in model.safetensors has shape [7]"),
                                          ("bad-json", "is not valid JSON"), ("heads", "not a multiple of"),
-                                         ("string", "hidden_size is '64', expected an integer")])
+                                         ("string", 'hidden_size is "64", expected a whole number')])
 def test_bad_model_dir_messages(tmp_path, kind, needle):
     """A broken model directory raises ModelError naming the file or tensor and the fix."""
     with pytest.raises(ModelError) as e:
@@ -1032,6 +1199,60 @@ def test_bad_tokenizer_files(tmp_path, name, content):
     with pytest.raises(ModelError, match=name.replace(".", r"\.")) as e:
         Tokenizer(path)
     assert "\n" not in str(e.value)
+
+
+def tokenizer_dir(path, **tokenizer_config) -> str:
+    """tiny_dir plus a tokenizer.json (a BPE without merges: enough to render templates) and tokenizer_config.json."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    tiny_dir(str(path))
+    HFTokenizer(models.BPE()).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(path)
+
+
+TURNS = "{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}[{{ m.content }}]{% endfor %}"
+
+
+def test_chat_templates_render_as_transformers_does(tmp_path):
+    """Templates render in transformers' Jinja setup: {% break %} works (loop controls), a list of named templates
+    renders "default", strftime_now gives today's date (Llama 3.2 prints it), tojson keeps non-ASCII and key order."""
+    msgs = [{"role": "user", "content": "é"}, {"role": "stop", "content": "x"}, {"role": "user", "content": "b"}]
+    chat = lambda t: Tokenizer(tokenizer_dir(tmp_path, chat_template=t)).chat(msgs)
+    assert chat(TURNS) == "[é]"
+    assert chat([{"name": "tool_use", "template": "tools"}, {"name": "default", "template": TURNS}]) == "[é]"
+    assert chat('{{ strftime_now("%d %b %Y") }}') == datetime.date.today().strftime("%d %b %Y")
+    assert chat("{{ messages[0] | tojson }} {{ {'b': 1, 'a': 2} | tojson(indent=1) }}") == \
+        '{"role": "user", "content": "é"} {\n "b": 1,\n "a": 2\n}'
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{% for m in messages %}{{ m }", "the chat template fails at line 1 (TemplateSyntaxError"),
+    ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "Range too big"),
+    ("{{ raise_exception('Roles must alternate') }}", "(TemplateError: Roles must alternate)"),
+    ([{"name": "tool_use", "template": "x"}], "none named 'default'"),
+    (5, "chat_template must be a string or a list"),
+])
+def test_bad_chat_templates_are_one_line(tmp_path, template, needle):
+    """A template that cannot be rendered (syntax, an unknown filter, a loop over range(10**9), which the sandbox
+    stops at 100,000 items) is one ModelError line naming tokenizer_config.json, never a traceback or a hang."""
+    with pytest.raises(ModelError) as e:
+        Tokenizer(tokenizer_dir(tmp_path, chat_template=template)).chat([{"role": "user", "content": "hi"}])
+    assert needle in str(e.value) and "tokenizer_config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eos_ids_from_generation_config(tmp_path):
+    """eos_token_id may be an id, a list or null in generation_config.json as in config.json; anything else (a string,
+    true) is one line naming the file."""
+    path = tokenizer_dir(tmp_path)
+    for eos, want in [(None, [0]), ([5, 7], [0, 5, 7]), (3, [0, 3])]:  # config.json's 0 joins them
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert Tokenizer(path).eos_ids == want
+    for eos in ["</s>", [1, True]]:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        with pytest.raises(ModelError, match=r"generation_config\.json: eos_token_id is"):
+            Tokenizer(path)
 
 
 def test_nan_weights_stop_with_a_message(tmp_path):
@@ -1076,6 +1297,15 @@ def test_broken_pipe_is_quiet():
     """`python generate.py | head -1`: the reader leaves early; no BrokenPipeError traceback."""
     p = run_py(f"{sys.executable} generate.py --max-new-tokens 40 | head -c 1", shell=True)
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_full_disk_is_one_line():
+    """`python generate.py > /dev/full`: writing the answer fails (ENOSPC); one line on stderr, a non-zero exit."""
+    p = run_py(f"{sys.executable} generate.py --max-new-tokens 4 > /dev/full", shell=True)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode == 1 and "Traceback" not in p.stderr and errors == ["error: cannot write the output: No space "
+                                                                             "left on device"], p.stderr
 
 
 # -----------------------------------------------------------------------------
