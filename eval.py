@@ -7,8 +7,8 @@ Each subcommand is a list of jobs, one per (policy, budget, ...), run by one dri
 and saves each finished row (results.py): into --out, so an interrupted sweep resumes where it stopped, or with
 --shard I/N into a file of the shard's own, for `eval.py merge`. A row's key holds every setting that changes its
 result (the data and the model by content hash). Fidelity (teacher-forced KL against the full cache) works even for
-a model too small to solve problems. Free generation decodes --batch-size problems together. Left out: sampling /
-pass@k, model-judged answers.
+a model too small to solve problems. Free generation decodes --batch-size problems together and keeps each problem's
+outcome. Left out: sampling / pass@k, model-judged answers.
 """
 
 import argparse
@@ -27,7 +27,8 @@ from generate import (Parser, UsageError, add_device_args, feed, generate, int_l
                       policy_names, resolve_device)
 from model import ModelError
 from policies import POLICIES
-from results import check_writable, merge, model_key, read_json, result_file, run_jobs, shard_arg, write_json
+from results import (Progress, check_writable, merge, model_key, read_json, result_file, run_jobs, shard_arg,
+                     write_json)
 from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
@@ -183,23 +184,58 @@ def fidelity(args, job: dict, lab: dict) -> dict:
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
+    """Free generation, --batch-size problems at a time. After each batch the finished problems' outcomes are saved
+    (results.Progress), so a rerun of a killed sweep decodes only the batches not yet done; the draws of a stochastic
+    policy are seeded by each problem's index, so the row is the one an uninterrupted run gives."""
     model, tok = model_of(args, lab)
     rows = load_data(args.data)[: args.n]
-    right = answered = tokens = loops = 0
-    for i in range(0, len(rows), args.batch_size):
+    progress = Progress(result_file(args.out, args.shard), job)
+    done = progress.part.get("per_problem", [])  # the first batches' outcomes, in problem order
+    if [p["i"] for p in done] != list(range(len(done))):
+        raise UsageError(f"{progress.path} does not hold the first problems in order: delete it and rerun")
+    for i in range(len(done), len(rows), args.batch_size):
         batch = rows[i : i + args.batch_size]
         prompts = [tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}])) for r in batch]
         # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
         run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
                        args.seed, ids=list(range(i, i + len(batch))))
+        kept = kept_share(run)
         outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
-        for r, ids in zip(batch, outs):
-            pred = extract_answer(tok.decode(ids), "####" in r["answer"])
-            right += is_correct(pred, r["answer"])
-            answered, tokens = answered + (pred is not None), tokens + len(ids)
-            loops += is_loop(ids, args.max_new_tokens, tok.eos_ids)
-    n = len(rows)
-    return {"accuracy": right / n, "answered": answered / n, "loops": loops / n, "mean_tokens": tokens / n}
+        for k, (r, ids) in enumerate(zip(batch, outs)):
+            stop = "eos" if ids[-1] in tok.eos_ids else "max"
+            pred = extract_answer(tok.decode(ids), "####" in r["answer"], stop)
+            done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
+                         "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred})
+        progress.save(per_problem=done)
+    mean = lambda field: sum(p[field] for p in done) / len(done)
+    return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
+            "mean_tokens": mean("tokens"), "mean_evictions": mean("evictions"), "mean_kept": mean("kept"),
+            "max_tokens": max(p["tokens"] for p in done), "per_problem": done}
+
+
+def kept_share(run):
+    """Watch run's evictions; returns kept(row, n): the share of row's n-token answer still held in its cache when the
+    answer ended, averaged over layers and KV heads. Exact and cheap: after each eviction of the row we count the
+    held slots past its prompt, once; every token fed after its last eviction is held too. The answer's last token
+    is sampled but never fed, so n - 1 of its tokens reach the cache. 1.0 for a row that never evicted."""
+    last = {}  # row -> (answer slots held after its last eviction, mean over layers and KV heads; its next position)
+
+    def watch(cache, b, when):
+        if when == "after":
+            row, S = cache.rows[b], cache.length[b]
+            held = (cache.pos[:, b, :, :S] >= run.prompt_len[row]).sum(-1).double().mean().item()  # [L, H_kv] -> mean
+            last[row] = (held, cache.next_pos[b])
+
+    def kept(row: int, n: int) -> float:
+        if row not in last or n < 2:
+            return 1.0
+        held, at = last[row]
+        P = run.prompt_len[row]
+        return (held + P + n - 1 - max(at, P)) / (n - 1)
+
+    run.watch = watch
+    return kept
 
 
 def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str, gap: int) -> dict:
@@ -520,7 +556,8 @@ def main(argv=None):
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("\ninterrupted: finished rows are saved; rerun the same command to resume")
+        sys.exit("\ninterrupted: finished rows (and accuracy's finished batches) are saved; rerun the same command "
+                 "to resume")
     except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
         sys.stderr.close()
 

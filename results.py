@@ -1,5 +1,5 @@
 """
-Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation.
+Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress.
 
 A sweep is a list of jobs (dicts of every setting that changes a result); a row is a job plus what was measured.
 Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N slices of the jobs (balanced by their
@@ -84,12 +84,17 @@ def differ(a: list[dict], b: list[dict]) -> str:
 
 num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
 integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+flag = lambda v: isinstance(v, bool)
 text = lambda v: isinstance(v, str)
 list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
 maybe = lambda ok: lambda v: v is None or ok(v)
+PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
+           "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
+problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(ok(p[k]) for k, ok in PROBLEM.items())
 FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
-    "l1_window_by_head": maybe(list_of(list_of(num))), "l1_next_by_head": maybe(list_of(list_of(num))),
+    "per_problem": list_of(problem), "l1_window_by_head": maybe(list_of(list_of(num))),
+    "l1_next_by_head": maybe(list_of(list_of(num))),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
@@ -175,6 +180,27 @@ def locked(path: Path):
         os.close(fd)
 
 
+class Progress:
+    """A job's partial row (accuracy: the per_problem outcomes so far), saved after every batch beside its result file
+    under a name made from the job's full key, so that a killed job loses at most the batch it was decoding."""
+
+    def __init__(self, result: Path | None, job: dict):
+        self.job, self.path = job, progress_path(result, job) if result else None
+        saved = read_json(self.path, dict) if self.path and self.path.exists() else {}
+        if saved:
+            check_row(saved, str(self.path))
+        self.part = {k: v for k, v in saved.items() if k not in job} if same(job, saved) else {}
+
+    def save(self, **part):
+        self.part = part
+        if self.path:
+            write_json(self.path, {**self.job, **part})
+
+
+def progress_path(result: Path, job: dict) -> Path:
+    return result.with_name(f"{result.stem}.progress-{digest(job)}{result.suffix}")
+
+
 # -----------------------------------------------------------------------------
 # shards
 
@@ -256,6 +282,8 @@ def run_jobs(jobs: list[dict], measure, out: str | None = None, shard: tuple[int
         elif path:
             with locked(path):
                 write_json(path, [r for r in read_rows(path) if not same(job, r)] + [row])
+        if path:
+            progress_path(path, job).unlink(missing_ok=True)
     rows = (rows if shard or not path else read_rows(path)) + failed
     return [next(r for r in rows if same(j, r)) for j in mine if any(same(j, r) for r in rows)]
 

@@ -1390,8 +1390,23 @@ def test_perturbation_rows(tiny):
     ("So 7.", "... #### 8", False),
 ])
 def test_gsm8k_answers(output, answer, ok):
-    """GSM8K: '####' gold against the last \\boxed{} or else the last number, compared as numbers."""
-    assert T.is_correct(T.extract_answer(output, gsm8k=True), answer) == ok
+    """GSM8K, answers that ended on their end token: '####' gold against the last \\boxed{} or else the last number,
+    compared as numbers."""
+    assert T.is_correct(T.extract_answer(output, gsm8k=True, stop="eos"), answer) == ok
+
+
+@pytest.mark.parametrize("output, gsm8k, stop, pred", [
+    ("16 - 3 = 13 eggs, 13 x 2 = 18 dollars.", True, "eos", "18"),  # ended by itself: the last number
+    ("16 - 3 = 13 eggs, 13 x 2 = 18 dollars. Next", True, "max", None),  # cut off: a stray number is no answer
+    ("so \\boxed{18}, and then 20 more", True, "max", "18"),  # cut off after a box: the box counts
+    ("so \\boxed{18}, and then 20 more", False, "max", "18"),
+    ("first \\boxed{7}, then \\boxed{1", True, "max", None),  # cut off mid-box: the last box is unclosed
+    ("the answer is 4", False, "eos", None),  # MATH needs a box even when it ended
+])
+def test_cut_off_answers_are_unanswered(output, gsm8k, stop, pred):
+    """An answer stopped at --max-new-tokens (stop "max") is graded only by a \\boxed{}; the last-number fallback is for
+    GSM8K answers that ended on their own end token."""
+    assert T.extract_answer(output, gsm8k, stop) == pred
 
 
 @pytest.mark.parametrize("output, answer, ok", [
@@ -1408,7 +1423,7 @@ def test_gsm8k_answers(output, answer, ok):
 ])
 def test_math_answers(output, answer, ok):
     """MATH-500 / AIME: last \\boxed{} with the data README's light normalisation."""
-    assert T.is_correct(T.extract_answer(output, gsm8k=False), answer) == ok
+    assert T.is_correct(T.extract_answer(output, gsm8k=False, stop="eos"), answer) == ok
 
 
 def test_last_boxed_nested():
@@ -1546,7 +1561,7 @@ def test_shard_plan_covers_every_job_once():
 @pytest.mark.parametrize("cmd, n", [("fidelity", 3), ("accuracy", 2)])
 def test_shards_in_separate_processes_merge_to_the_unsharded_rows(tiny_lab, tmp_path, cmd, n):
     """n shards run as separate processes at once, then `eval.py merge`: the merged file holds exactly the rows of
-    the unsharded sweep. A rerun of a finished shard does nothing."""
+    the unsharded sweep, per_problem outcomes included. A rerun of a finished shard does nothing."""
     argv = lab_argv(tiny_lab, cmd)
     ev.main(argv + ["--out", str(tmp_path / "one.json")])
     out = str(tmp_path / "sharded.json")
@@ -1591,6 +1606,65 @@ def test_merge_names_what_is_wrong_in_one_line(tmp_path, capsys):
     fake_sweep(out, "--seed", "1", skip=(1,))
     assert "shard 2/2 ran other settings than shard 1/2 (seed 1 against 0)" in merge()
     assert not out.exists() and len(list(tmp_path.glob("rows.shard-*"))) == 2
+
+
+@pytest.mark.parametrize("shard", [[], ["--shard", "2/2"]])
+def test_accuracy_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, capsys, shard):
+    """A sweep killed after its first batch (2 of 5 problems) and rerun decodes only the 3 problems left, and gives
+    the row of an uninterrupted run; with or without --shard."""
+    argv = lab_argv(tiny_lab, "accuracy", "--policies", "random", "--budgets", "128", *shard)
+    decoded, real = [], ev.generate
+
+    def generate(model, prompts, run, *a, **kw):
+        if kill and decoded:
+            raise KeyboardInterrupt  # as a kill in the second batch
+        decoded.extend(run.ids)
+        return real(model, prompts, run, *a, **kw)
+
+    monkeypatch.setattr(ev, "generate", generate)
+    kill = True
+    with pytest.raises(SystemExit, match="interrupted"):
+        ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    assert decoded == [0, 1] and len(list(tmp_path.glob("a*progress-*.json"))) == 1
+    kill, decoded[:] = False, []
+    ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    resumed = decoded[:]
+    ev.main(argv + ["--out", str(tmp_path / "b.json")])
+    where = lambda f: R.result_file(str(tmp_path / f), R.shard_arg(shard[1]) if shard else None)
+    a, b = (R.read_shard(where(f))["rows"] if shard else R.read_rows(where(f)) for f in ("a.json", "b.json"))
+    assert resumed[:3] == [2, 3, 4] and len(resumed) == 3 + 5 * (not shard)  # unsharded: the full cache's job too
+    assert a == b and [p["i"] for p in a[-1]["per_problem"]] == [0, 1, 2, 3, 4]
+    assert not list(tmp_path.glob("*progress*"))  # gone once the row is saved
+
+
+@pytest.mark.parametrize("policy, budget", [("full", None), ("snapkv", 48), ("random", 40), ("streaming", 64)])
+def test_kept_share_is_exact(tiny, policy, budget):
+    """The share of the answer still held at its end, from the eviction hook, equals a count over the final cache;
+    the full cache (and an answer that never evicted) keeps 1.0."""
+    prompt = list(range(1, 21))
+    run = G.make_run(policy, budget, 8, False, len(prompt))
+    kept = ev.kept_share(run)
+    (ids,), cache, _ = G.generate(tiny, [prompt], run, 70)
+    S = cache.length[0]
+    held = (cache.pos[:, 0, :, :S] >= len(prompt)).sum(-1).double().mean().item()
+    assert kept(0, len(ids)) == pytest.approx(held / (len(ids) - 1), abs=1e-12)
+    assert (kept(0, len(ids)) == 1.0) == (run.rounds[0] == 0)
+
+
+def test_accuracy_per_problem_fields(tiny_lab, tmp_path):
+    """An accuracy row holds one outcome per problem, in problem order, with the documented fields and types, and the
+    aggregates are their means."""
+    ev.main(lab_argv(tiny_lab, "accuracy", "--policies", "snapkv", "--budgets", "128", "--out",
+                     str(tmp_path / "a.json")))
+    rows = R.read_rows(tmp_path / "a.json")
+    for row in rows:
+        per = row["per_problem"]
+        assert [p["i"] for p in per] == list(range(5)) and all(R.problem(p) for p in per)
+        assert row["mean_kept"] == pytest.approx(sum(p["kept"] for p in per) / 5)
+        assert row["max_tokens"] == max(p["tokens"] for p in per)
+        assert row["answered"] == sum(p["answered"] for p in per) / 5
+        assert all(p["stop"] == "eos" or p["tokens"] == 40 for p in per)
+    assert rows[0]["mean_kept"] == 1 and rows[0]["mean_evictions"] == 0  # the full cache
 
 
 def test_model_key_follows_content(tmp_path):
