@@ -29,7 +29,7 @@ from model import ModelError
 from policies import POLICIES
 from results import (Progress, check_writable, merge, model_key, read_json, result_file, run_jobs, shard_arg,
                      write_json)
-from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
+from tasks import DATA, GRADING, extract_answer, file_hash, is_correct, is_loop, load_data
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -410,6 +410,8 @@ def make_jobs(args) -> list[dict]:
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
+    if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed
+        extra = {"grading": GRADING}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
               "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
@@ -563,16 +565,16 @@ def main(argv=None):
 
 
 def report(jobs: list[dict], rows: list[dict], note: str):
-    """The rows as a Markdown table (fidelity: with the paired differences against snapkv) on stdout; failed jobs and
-    where the rows went on stderr."""
+    """The rows as a Markdown table (fidelity: with the paired differences against snapkv) on stdout, where they went
+    on stderr; failed jobs make the exit status non-zero, so that a scheduler sees them (Slurm's afterok)."""
     print(markdown(rows, keys=set().union(*jobs)))
     if paired(rows):
         print("\n" + paired(rows))
-    failed = sum("error" in r for r in rows)
-    if failed:
-        print(f"{failed} job(s) failed and were not saved: rerun the same command to retry them", file=sys.stderr)
     if note:
         print(note, file=sys.stderr)
+    failed = sum("error" in r for r in rows)
+    if failed:
+        raise UsageError(f"{failed} job(s) failed and were not saved: rerun the same command to retry them")
 
 
 if __name__ == "__main__":

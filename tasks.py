@@ -12,6 +12,7 @@ from pathlib import Path
 from generate import UsageError
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
+GRADING = 2  # in every accuracy row's key; raise it when what counts as correct changes (2: cut-off answers need a box)
 
 
 def load_data(path: str) -> list[dict]:

@@ -1653,12 +1653,13 @@ def test_kept_share_is_exact(tiny, policy, budget):
 
 def test_accuracy_per_problem_fields(tiny_lab, tmp_path):
     """An accuracy row holds one outcome per problem, in problem order, with the documented fields and types, and the
-    aggregates are their means."""
+    aggregates are their means; its key names the grading rule, so rows graded by an earlier one are recomputed."""
     ev.main(lab_argv(tiny_lab, "accuracy", "--policies", "snapkv", "--budgets", "128", "--out",
                      str(tmp_path / "a.json")))
     rows = R.read_rows(tmp_path / "a.json")
     for row in rows:
         per = row["per_problem"]
+        assert row["grading"] == T.GRADING
         assert [p["i"] for p in per] == list(range(5)) and all(R.problem(p) for p in per)
         assert row["mean_kept"] == pytest.approx(sum(p["kept"] for p in per) / 5)
         assert row["max_tokens"] == max(p["tokens"] for p in per)
@@ -1683,11 +1684,16 @@ def test_model_key_follows_content(tmp_path):
     assert bench.jobs(args)[0]["model"] != before
 
 
-def test_failed_jobs_are_not_results(tmp_path, monkeypatch):
-    """A bench worker killed by the OS gives an error row that is shown but not saved, and a rerun measures it again."""
+def test_failed_jobs_are_not_results(tmp_path, monkeypatch, capsys):
+    """A bench worker killed by the OS gives an error row that is shown but not saved (the exit status says so), and
+    a rerun measures it again."""
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -9, "", ""))
     args = bench_args(tmp_path, "--out", str(tmp_path / "b.json"), "--policies", "full", "--contexts", "160")
     assert bench.measure(bench.jobs(args)[0]) == {"error": "killed by signal 9 (out of memory?)"}
+    argv = ["bench", "--model", args.model, "--policies", "full", "--contexts", "160", "--steps", "32", "--out",
+            str(tmp_path / "b.json")]
+    assert "1 job(s) failed and were not saved" in one_line_exit(ev.main, argv, capsys)
+    assert "killed by signal 9" in capsys.readouterr().out and not (tmp_path / "b.json").exists()
     calls = []
     for result in ({"error": "killed by signal 9"}, {"tok_s": 1.0}):
         rows = ev.run_jobs(bench.jobs(args), lambda job: calls.append(job) or result, args.out)
