@@ -30,6 +30,7 @@ from generate import (UsageError, cpu_threads, feed, int_list, load, make_cache,
                       policy_names, resolve_device)
 from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
+from results import model_key
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
 SIDE_BLOCKS, SIDE_STEPS = 6, 16  # --side-by-side: turns per decoder, and decode steps per turn
@@ -72,7 +73,7 @@ def jobs(args) -> list[dict]:
         make_run(n, None if n == "full" else args.budget, args.buffer, protect, args.prompt_len)
     device, dtype = resolve_device(args.device, args.dtype)
     common = {"buffer": args.buffer, "steps": args.steps, "prompt_len": args.prompt_len, "threads": args.threads,
-              "protect": protect, "seed": args.seed, "model": args.model, "device": str(device),
+              "protect": protect, "seed": args.seed, "model": model_key(args.model), "device": str(device),
               "dtype": str(dtype)}
     rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget,
              **({"side_by_side": True} if args.side_by_side and b > 1 else {})}  # in the key only where it adds a figure
@@ -82,9 +83,20 @@ def jobs(args) -> list[dict]:
     return [{"task": "bench", **r, **common} for r in rows]
 
 
-def measure(job: dict) -> dict:
-    """Measure one row in a fresh Python process (honest per-row peak memory) and return its result fields."""
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(job)],
+def cost(job: dict) -> float:
+    """A row's expected cost for --shard's balance, in rough seconds of this CPU: a fresh process, the fill (the whole
+    context for the full cache; K + r for a compressed one, which then jumps) and the decode steps over the slots
+    held; the eager reference's attention grows with the square of the context."""
+    held = job["context"] if job["budget"] is None else job["budget"] + job["buffer"]
+    step = 0.05 + held * 15e-6 * (1 + job["eager"] * held / 1024)
+    steps = job["steps"] + WARMUP + (2 * SIDE_BLOCKS * SIDE_STEPS if job.get("side_by_side") else 0)
+    return 3 + job["batch"] * (held * 0.005 + steps * step)
+
+
+def measure(job: dict, model: str | None = None) -> dict:
+    """Measure one row in a fresh Python process (honest per-row peak memory) and return its result fields; model is
+    the --model path (the job names it by its content). A row with an "error" is shown, never saved."""
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(job), model or ""],
                        capture_output=True, text=True)
     if p.returncode < 0:  # killed by a signal: on Linux almost always the OOM killer (the eager memory wall)
         return {"error": f"killed by signal {-p.returncode} (out of memory?)"}
@@ -217,9 +229,9 @@ def side_by_side(model, o: dict, blocks: int = SIDE_BLOCKS, k: int = SIDE_STEPS)
 
 
 @torch.inference_mode()
-def measure_here(o: dict) -> dict:
+def measure_here(o: dict, path: str | None = None) -> dict:
     device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""))
-    model = build_model(o["model"], device, str(dtype).replace("torch.", ""))
+    model = build_model(path, device, str(dtype).replace("torch.", ""))
     if o.get("threads"):  # after loading, which picks nanokv's default (generate.cpu_threads)
         torch.set_num_threads(o["threads"])
     cfg, C, steps, B = model.cfg, o["context"], o["steps"], o["batch"]
@@ -264,9 +276,9 @@ def measure_here(o: dict) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--one":  # the per-row worker that measure() spawns
+    if len(sys.argv) == 4 and sys.argv[1] == "--one":  # the per-row worker that measure() spawns
         try:
-            print(json.dumps(measure_here(json.loads(sys.argv[2]))))
+            print(json.dumps(measure_here(json.loads(sys.argv[2]), sys.argv[3] or None)))
         except (UsageError, ModelError) as e:
             sys.exit(f"error: {e}")
         except (MemoryError, torch.OutOfMemoryError) as e:  # the eager memory wall: a row that says so

@@ -4,26 +4,21 @@ Measure eviction policies against the full cache: fidelity, accuracy, recall pro
     python eval.py fidelity --policies all --budgets 128,256 --n 12 --out results/fidelity.json
 
 Each subcommand is a list of jobs, one per (policy, budget, ...), run by one driver that prints a Markdown table
-and merges each finished row into --out under a file lock, so an interrupted sweep resumes where it stopped and
-two sweeps may share one file. A row's key holds every setting that changes its result (the data by content
-hash). Fidelity (teacher-forced KL against the full cache) works even for a model too small to solve problems.
-Free generation decodes --batch-size problems together. Left out: sampling / pass@k, model-judged answers.
+and saves each finished row (results.py): into --out, so an interrupted sweep resumes where it stopped, or with
+--shard I/N into a file of the shard's own, for `eval.py merge`. A row's key holds every setting that changes its
+result (the data and the model by content hash). Fidelity (teacher-forced KL against the full cache) works even for
+a model too small to solve problems. Free generation decodes --batch-size problems together and keeps each problem's
+outcome. Left out: sampling / pass@k, model-judged answers.
 """
 
 import argparse
-import fcntl
-import hashlib
 import itertools
 import json
 import math
-import os
 import random
 import sys
-import tempfile
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,10 +26,12 @@ from tqdm import tqdm
 
 from generate import (Parser, UsageError, add_device_args, feed, generate, int_list, load, make_cache, make_run,
                       output_failed, policy_names, resolve_device)
-from model import ModelError
 from cache import FREE
+from model import ModelError
 from policies import POLICIES
-from tasks import DATA, extract_answer, file_hash, is_correct, is_loop, load_data
+from results import (Progress, check_writable, merge, model_key, read_json, result_file, run_jobs, shard_arg,
+                     write_json)
+from tasks import DATA, GRADING, extract_answer, file_hash, is_correct, is_loop, load_data
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -135,7 +132,7 @@ def traces(args, lab: dict) -> list[dict]:
     key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
            "max_new_tokens": args.max_new_tokens, **model_settings(args)}
     path = Path(args.out + ".traces.json") if args.out else None
-    saved = read_json_file(path, dict) if path and path.exists() else {}
+    saved = read_json(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
         plans = conversation_plans(tok, [r["question"] for r in load_data(args.data)], args.n)
@@ -188,59 +185,59 @@ def fidelity(args, job: dict, lab: dict) -> dict:
     return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace}
 
 
-def answer_slots(run) -> tuple[dict, Callable]:
-    """A run.watch that records, after each eviction of a row, how many of its answer's slots the cache still holds
-    (mean over layers and KV heads) and at which position: {row: (held, next_pos)}."""
-    held = {}
+def accuracy(args, job: dict, lab: dict) -> dict:
+    """Free generation, --batch-size problems at a time. After each batch the finished problems' outcomes are saved
+    (results.Progress), so a rerun of a killed sweep decodes only the batches not yet done; the draws of a stochastic
+    policy are seeded by each problem's index, so the row is the one an uninterrupted run gives."""
+    model, tok = model_of(args, lab)
+    rows = load_data(args.data)[: args.n]
+    progress = Progress(result_file(args.out, args.shard), job)
+    done = progress.part.get("per_problem", [])  # the first batches' outcomes, in problem order
+    if [p["i"] for p in done] != list(range(len(done))):
+        raise UsageError(f"{progress.path} does not hold the first problems in order: delete it and rerun")
+    for i in range(len(done), len(rows), args.batch_size):
+        batch = rows[i : i + args.batch_size]
+        prompts = [tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}])) for r in batch]
+        # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
+        run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
+                       args.seed, ids=list(range(i, i + len(batch))))
+        kept = kept_share(run)
+        outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
+        for k, (r, ids) in enumerate(zip(batch, outs)):
+            stop = "eos" if ids[-1] in tok.eos_ids else "max"
+            pred = extract_answer(tok.decode(ids), "####" in r["answer"], stop)
+            done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
+                         "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred})
+        progress.save(per_problem=done)
+    mean = lambda field: sum(p[field] for p in done) / len(done)
+    return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
+            "mean_tokens": mean("tokens"), "mean_evictions": mean("evictions"), "mean_kept": mean("kept"),
+            "max_tokens": max(p["tokens"] for p in done), "per_problem": done}
+
+
+def kept_share(run):
+    """Watch run's evictions; returns kept(row, n): the share of row's n-token answer still held in its cache when the
+    answer ended, averaged over layers and KV heads. Exact and cheap: after each eviction of the row we count the
+    held slots past its prompt, once; every token fed after its last eviction is held too. The answer's last token
+    is sampled but never fed, so n - 1 of its tokens reach the cache. 1.0 for a row that never evicted."""
+    last = {}  # row -> (answer slots held after its last eviction, mean over layers and KV heads; its next position)
 
     def watch(cache, b, when):
         if when == "after":
             row, S = cache.rows[b], cache.length[b]
-            answer = cache.pos[:, b, :, :S] >= run.prompt_len[row]  # [L, H_kv, S]
-            held[row] = (answer.sum(-1).float().mean().item(), cache.next_pos[b])
+            held = (cache.pos[:, b, :, :S] >= run.prompt_len[row]).sum(-1).double().mean().item()  # [L, H_kv] -> mean
+            last[row] = (held, cache.next_pos[b])
 
-    return held, watch
+    def kept(row: int, n: int) -> float:
+        if row not in last or n < 2:
+            return 1.0
+        held, at = last[row]
+        P = run.prompt_len[row]
+        return (held + P + n - 1 - max(at, P)) / (n - 1)
 
-
-def outcome(tok, r: dict, ids: list[int], args, run, row: int, held: dict) -> dict:
-    """One problem's result: graded answer, how it stopped, and what eviction did to it."""
-    ended = bool(ids) and ids[-1] in tok.eos_ids
-    pred = extract_answer(tok.decode(ids), "####" in r["answer"], ended)
-    kept = 1.0
-    if row in held:  # answer slots held after its last eviction + the tokens fed since; the last token is never fed
-        h, at = held[row]
-        fed = max(1, len(ids) - 1)
-        kept = (h + run.prompt_len[row] + fed - at) / fed
-    return {"i": run.ids[row], "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
-            "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids),
-            "stop": "eos" if ended else "max", "evictions": run.rounds[row], "kept": kept, "pred": pred}
-
-
-def accuracy(args, job: dict, lab: dict) -> dict:
-    """Free greedy answers to the first --n problems, --batch-size at a time. Each finished batch's outcomes are
-    saved (progress_file), so a killed sweep loses only the batch it was decoding and a rerun decodes the rest."""
-    model, tok = model_of(args, lab)
-    rows = load_data(args.data)[: args.n]
-    path = progress_file(args, job)
-    done = {o["i"]: o for o in (read_json_file(path, dict)["done"] if path and path.exists() else [])}
-    todo = [i for i in range(len(rows)) if i not in done]
-    for at in tqdm(range(0, len(todo), args.batch_size), desc=f"{job['policy']} K={job['budget']}", leave=False):
-        idx = todo[at : at + args.batch_size]
-        prompts = [tok.encode(tok.chat([{"role": "user", "content": rows[i]["question"] + ASK}])) for i in idx]
-        # each problem's index in the sweep seeds its draws, so a row does not depend on its batch
-        run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
-                       args.seed, ids=idx)
-        held, run.watch = answer_slots(run)
-        outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
-        for row, (i, ids) in enumerate(zip(idx, outs)):
-            done[i] = outcome(tok, rows[i], ids, args, run, row, held)
-        if path:
-            write_json(path, {"key": job, "done": list(done.values())})
-    per = [done[i] for i in range(len(rows))]
-    mean = lambda k: sum(o[k] for o in per) / len(per)
-    return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
-            "mean_tokens": mean("tokens"), "max_tokens": max(o["tokens"] for o in per),
-            "mean_evictions": mean("evictions"), "mean_kept": mean("kept"), "per_problem": per}
+    run.watch = watch
+    return kept
 
 
 def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str, gap: int) -> dict:
@@ -443,15 +440,7 @@ def perturbation(args, job: dict, lab: dict) -> dict:
 
 
 # -----------------------------------------------------------------------------
-# the driver: jobs -> rows, validated up front, merged into --out under a lock, printed as Markdown
-
-
-def model_key(model: str | None) -> str:
-    """A result's model: the default, or a directory named by its resolved path and its config's content."""
-    if not model:
-        return "default"
-    cfg = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
-    return f"{Path(model).resolve()}@{file_hash(cfg)}" if cfg.is_file() else str(model)
+# the driver: jobs -> rows, validated up front, saved by results.run_jobs (resume, shards), printed as Markdown
 
 
 def model_settings(args) -> dict:
@@ -460,6 +449,20 @@ def model_settings(args) -> dict:
     device, dtype = resolve_device(args.device, args.dtype)
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
             "batch_size": args.batch_size}
+
+
+# What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
+# round, and per forward for h2o and epikv's state. Measured once on this CPU (1,024-token replays of the default model
+# at K = 128 and 512, rounded; the machine was shared, so about +-0.2); only --shard's balance uses it.
+EXTRA = {"streaming": 0.0, "random": 0.1, "snapkv": 0.1, "vase-noreserve": 0.2, "vase-dkv": 0.3, "rkv": 0.4,
+         "vase-adversary": 0.4, "vase": 0.5, "epikv": 0.5, "epikv-band": 0.5, "epikv-lag": 0.5, "vase-topk": 0.6,
+         "criticalkv": 0.6, "h2o": 0.9}
+
+
+def cost(job: dict) -> float:
+    """A job's expected cost relative to the full cache's, for --shard's balance. Free generation spends its time
+    decoding (eviction is a few percent of it), so accuracy jobs cost alike; a replay's cost depends on its policy."""
+    return 1.0 if job["task"] == "accuracy" or job["policy"] == "full" else 1 + EXTRA.get(job["policy"], 0.5)
 
 
 def make_jobs(args) -> list[dict]:
@@ -478,6 +481,8 @@ def make_jobs(args) -> list[dict]:
         extra["min_tokens"] = args.min_tokens
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
+    if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed
+        extra = {"grading": GRADING}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
               "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
     return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
@@ -513,50 +518,6 @@ def check_jobs(args, jobs: list[dict], lab: dict):
                          "positions: lower --gap, --min-tokens or --max-new-tokens")
     for j in jobs:
         run_for(j, args, lens)  # one-line refusal of a prompt that does not fit K - r, or a bad --budget/--buffer
-
-
-def read_json_file(path: Path, kind: type):
-    """A JSON file's content, which must be a `kind` (a list of rows or a dict); one-line errors."""
-    if path.is_dir():
-        raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        obj = None
-    if not isinstance(obj, kind) or kind is list and not all(isinstance(r, dict) for r in obj):
-        what = "a JSON list of rows" if kind is list else "a JSON object"
-        raise UsageError(f"{path} is not {what}: move it away or pick another --out")
-    return obj
-
-
-def write_json(path: Path, obj):
-    """Write to a temporary file of this process's own, then rename over path: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-@contextmanager
-def locked(path: Path):
-    """Hold an exclusive lock on path's .lock file: writers of the same --out take turns to read, merge and write."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def progress_file(args, job: dict) -> Path | None:
-    """Where a job's finished problems wait for its row: beside --out, named by a hash of the job's key."""
-    if not args.out:
-        return None
-    h = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(args.out + ".progress") / f"{job['policy']}-{h}.json"
-
-
-def rows_of(path: Path) -> list[dict]:
-    return read_json_file(path, list) if path.exists() else []
 
 
 def markdown(rows: list[dict], keys=()) -> str:
@@ -644,27 +605,6 @@ def paired(rows: list[dict], base: str = "snapkv") -> str:
     return "\n".join(head + lines) if lines else ""
 
 
-def run_jobs(args, jobs: list[dict], measure) -> list[dict]:
-    """Measure every job that --out does not already hold; merge each finished row into --out under its lock."""
-    path = Path(args.out) if args.out else None
-    mine: list[dict] = []
-    done = lambda job, rows: any(all(r.get(k) == v for k, v in job.items()) for r in rows)
-    have = rows_of(path) if path else []
-    for job in tqdm([j for j in jobs if not done(j, have)], desc=args.cmd):
-        if path and done(job, rows_of(path)):  # another sweep on the same --out finished it meanwhile
-            continue
-        row = {**job, **measure(job)}
-        mine.append(row)
-        if path:
-            with locked(path):
-                write_json(path, [r for r in rows_of(path) if not done(job, [r])] + [row])
-            progress = progress_file(args, job) if args.cmd != "bench" else None
-            if progress:  # the row holds its problems now
-                progress.unlink(missing_ok=True)
-    rows = rows_of(path) if path else mine
-    return [next(r for r in rows if done(j, [r])) for j in jobs if done(j, rows)]  # in job order
-
-
 # -----------------------------------------------------------------------------
 # CLI
 
@@ -683,7 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep every prompt token, for all policies (default: each policy's paper setting)")
     common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
     common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
-                        "several sweeps may write one file at once")
+                        "several sweeps on one machine may write one file at once")
+    common.add_argument("--shard", type=shard_arg, default=None, metavar="I/N", help="run only the I-th of N slices "
+                        "of the jobs (1 <= I <= N, balanced by expected cost), into a file of its own beside --out; "
+                        "then `eval.py merge --out FILE`")
     shared = argparse.ArgumentParser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
@@ -696,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 16 on CPU, 64 on CUDA); in fp32 the tokens do not depend on it, but bf16 "
                         "matmuls may round differently, so it is part of a row's key")
     ap = Parser(description="Evaluate KV-cache eviction policies against the full cache.")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench"]) + "}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench", "merge"]) + "}")
     p = sub.add_parser("fidelity", parents=[shared], help="teacher-forced KL / top-1 / NLL gap vs the full cache")
     p.add_argument("--min-tokens", type=int, default=1024, help="pack problems into each conversation until it "
                    "holds this many tokens")
@@ -715,42 +658,63 @@ def build_parser() -> argparse.ArgumentParser:
     import bench  # the speed benchmark lives in its own file
 
     bench.add_arguments(sub.add_parser("bench", parents=[common], help="decode speed, eviction cost, peak memory"))
+    p = sub.add_parser("merge", help="fold the --shard files beside --out into it, checking that none is missing")
+    p.add_argument("--out", required=True, help="the --out the shards ran with")
     return ap
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd == "merge":
+            return report(*merge(args.out), f"merged into {args.out}")
+        where = result_file(args.out, args.shard)
+        if where:
+            check_writable(where)  # before the model loads and the first job runs
         if args.cmd == "bench":
             import bench
 
-            jobs = bench.jobs(args)
-            measure = bench.measure
+            jobs, job_cost = bench.jobs(args), bench.cost
+            measure = lambda job: bench.measure(job, args.model)
         else:
             load_data(args.data)  # fail on a bad file before loading the model
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype)[0]).type == "cuda" else 16
-            lab = {}
+            lab, job_cost = {}, cost
             if args.cmd == "probe" and args.probe == "heads":
                 args.heads = list(range(model_of(args, lab)[0].cfg.num_key_value_heads + 1))
                 args.min_tokens = args.gap + 256  # the conversations run on past the question's place
             jobs = make_jobs(args)
             check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
-        rows = run_jobs(args, jobs, measure)
-        print(markdown(rows, keys=set().union(*jobs)))
-        if args.cmd == "fidelity" and paired(rows):
-            print("\n" + paired(rows))
-        if args.cmd == "accuracy" and len(rows) > 1:
-            print("\nPaired against the full cache on the same problems:\n" + paired_accuracy(rows, rows[0]))
+        rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)
+        done = f"shard {args.shard[0]}/{args.shard[1]} in {where}" if args.shard else ""
+        report(jobs, rows, done and f"{done}; when every shard is done: python eval.py merge --out {args.out}")
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("\ninterrupted: finished rows are in --out; rerun the same command to resume")
+        sys.exit("\ninterrupted: finished rows (and accuracy's finished batches) are saved; rerun the same command "
+                 "to resume")
     except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
         sys.stderr.close()
     except OSError as e:  # e.g. `> /dev/full`: one line, not a traceback
         output_failed(e)
+
+
+def report(jobs: list[dict], rows: list[dict], note: str):
+    """The rows as a Markdown table (fidelity: with the paired differences against snapkv) on stdout, where they went
+    on stderr; failed jobs make the exit status non-zero, so that a scheduler sees them (Slurm's afterok)."""
+    print(markdown(rows, keys=set().union(*jobs)))
+    if paired(rows):
+        print("\n" + paired(rows))
+    base = next((r for r in rows if r.get("task") == "accuracy" and r["policy"] == "full"), None)
+    if base and len(rows) > 1:
+        print("\nPaired against the full cache on the same problems:\n" + paired_accuracy(rows, base))
+    if note:
+        print(note, file=sys.stderr)
+    failed = sum("error" in r for r in rows)
+    if failed:
+        raise UsageError(f"{failed} job(s) failed and were not saved: rerun the same command to retry them")
 
 
 if __name__ == "__main__":

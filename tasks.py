@@ -12,6 +12,7 @@ from pathlib import Path
 from generate import UsageError
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
+GRADING = 2  # in every accuracy row's key; raise it when what counts as correct changes (2: cut-off answers need a box)
 
 
 def load_data(path: str) -> list[dict]:
@@ -81,11 +82,13 @@ def as_number(s: str | None) -> float | None:
         return None
 
 
-def extract_answer(text: str, gsm8k: bool, ended: bool = True) -> str | None:
-    """GSM8K: last \\boxed{} or else the last number; MATH/AIME: the last \\boxed{}. An answer cut off at the token
-    limit (ended=False) has a final answer only if it boxed one: a number met on the way is no answer."""
+def extract_answer(text: str, gsm8k: bool, stop: str) -> str | None:
+    """The answer of a generation that stopped on its own end token (stop "eos") or at --max-new-tokens ("max"): the
+    last \\boxed{}. For GSM8K, an answer that ended by itself and has no box falls back to its last number, but a
+    cut-off one does not: a number mid-way through unfinished reasoning is not an answer (it counts as unanswered).
+    e.g. GSM8K "... 6 + 12 = 18 eggs." -> "18" at "eos", None at "max"; "so \\boxed{18}, then 20" -> "18" at either."""
     boxed = last_boxed(text)
-    if boxed is not None or not gsm8k or not ended:
+    if boxed is not None or not gsm8k or stop != "eos":
         return boxed
     nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return nums[-1].rstrip(",") if nums else None

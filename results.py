@@ -1,0 +1,344 @@
+"""
+Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress.
+
+A sweep is a list of jobs (dicts of every setting that changes a result); a row is a job plus what was measured.
+Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N slices of the jobs (balanced by their
+expected cost) and writes a file of its own beside --out, which no other process writes, so no lock is needed and the
+files may sit on NFS; `python eval.py merge --out FILE` checks that every job is there exactly once and folds them into
+FILE. Every write goes to a temporary file that is then renamed over the target: a reader never sees half a file, and a
+failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array
+or a shell loop runs the shards), and locks across machines (flock is local: share one --out on one machine only).
+"""
+
+import argparse
+import fcntl
+import hashlib
+import heapq
+import json
+import os
+import re
+import tempfile
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from tqdm import tqdm
+
+from generate import UsageError
+
+
+# -----------------------------------------------------------------------------
+# keys: what names a row
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_key(model: str | None) -> str:
+    """A model named by its content, so that a directory edited in place computes new rows and a moved one does not:
+    "default" for the embedded model, else a hash of its JSON files (config, tokenizer) and of each weight file's
+    name, size, safetensors header (tensor names, dtypes, shapes, offsets) and first and last 64 KiB of data. That
+    reads kilobytes, not gigabytes of weights. A bare config.json (bench's random weights) is hashed alone."""
+    if not model:
+        return "default"
+    path = Path(model)
+    if not path.exists():
+        return model  # loading it fails later, with its own message
+    h = hashlib.sha256()
+    for f in [path] if path.is_file() else sorted(path.iterdir()):
+        if f.suffix == ".json" and f.name != "manifest.json":  # weights.py's manifest holds mtimes: a copy would rerun
+            h.update(f.name.encode() + f.read_bytes())
+        elif f.suffix == ".safetensors":
+            size = f.stat().st_size
+            with open(f, "rb") as w:
+                head = min(size, 8 + int.from_bytes(w.read(8), "little") + 2**16)  # the header, then 64 KiB of data
+                w.seek(0)
+                h.update(f"{f.name}:{size}".encode() + w.read(head))
+                w.seek(max(head, size - 2**16))
+                h.update(w.read())
+    return h.hexdigest()[:16]
+
+
+def same(job: dict, row: dict) -> bool:
+    """Whether row is job's result: it holds every key field of the job with the same value."""
+    return all(row.get(k) == v for k, v in job.items())
+
+
+def label(job: dict, jobs: list[dict]) -> str:
+    """A job named by the fields that tell it from the others of its sweep, e.g. 'policy=snapkv budget=128'."""
+    varying = [k for k in job if len({json.dumps(j.get(k)) for j in jobs}) > 1]
+    return " ".join(f"{k}={job[k]}" for k in varying) or str(job.get("policy"))
+
+
+def differ(a: list[dict], b: list[dict]) -> str:
+    """The first key field whose values differ between two sweeps, e.g. 'budget 128,256 against 128'."""
+    for k in dict.fromkeys(k for j in a + b for k in j):
+        va, vb = (",".join(sorted({json.dumps(j.get(k)) for j in js})) for js in (a, b))
+        if va != vb:
+            return f"{k} {va} against {vb}"
+    return "the same settings in another order"
+
+
+# -----------------------------------------------------------------------------
+# rows are checked when read: a hand-edited field is named, never a traceback later
+
+num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+flag = lambda v: isinstance(v, bool)
+text = lambda v: isinstance(v, str)
+list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
+maybe = lambda ok: lambda v: v is None or ok(v)
+PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
+           "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
+problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(ok(p[k]) for k, ok in PROBLEM.items())
+FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
+    "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
+    "per_problem": list_of(problem), "l1_window_by_head": maybe(list_of(list_of(num))),
+    "l1_next_by_head": maybe(list_of(list_of(num))),
+}
+plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
+
+
+def check_row(row, where: str):
+    """Refuse, in one line that names it, a row that is not an object with a task or has a field of the wrong type."""
+    if not isinstance(row, dict) or "task" not in row:
+        raise UsageError(f"{where} is not a row (a JSON object with a 'task'): delete it, then rerun")
+    for k, v in row.items():
+        if not FIELDS.get(k, plain)(v):
+            raise UsageError(f"{where} ({row.get('policy')}, budget {row.get('budget')}) has a bad {k!r}: "
+                             f"{json.dumps(v)[:60]}: fix or delete that row, then rerun")
+
+
+def read_json(path: Path, kind: type):
+    """A JSON file's content, which must be a `kind` (list or dict); one-line errors."""
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(obj, kind):
+        raise UsageError(f"{path} is not {'a JSON list of rows' if kind is list else 'a JSON object'}: "
+                         "move it away or pick another --out")
+    return obj
+
+
+def read_rows(path: Path | None) -> list[dict]:
+    rows = read_json(path, list) if path and path.exists() else []
+    for i, row in enumerate(rows):
+        check_row(row, f"{path} row {i + 1}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# writes that survive anything
+
+
+def write_json(path: Path, obj):
+    """Write to a temporary file of this process's own, flush it to disk, then rename it over path: a reader never sees
+    half a file, and a write that fails (read-only directory, full disk, file-size limit) leaves path as it was."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(obj, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp:
+            with suppress(OSError):
+                os.remove(tmp)
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)  # a file where a folder goes
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror or str(e)
+        raise UsageError(f"cannot write {path} ({why}): what was written before is kept; fix that or pick another "
+                         "--out, then rerun the same command to resume") from None
+
+
+def check_writable(path: Path):
+    """Fail in one line before the first job, not after an hour of work, when path cannot be written."""
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
+    probe = path.with_name(path.name + ".probe")
+    write_json(probe, [])
+    probe.unlink()
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive flock on path's directory, held while we read, merge and write path: writers on one machine take
+    turns. A directory that holds path cannot be deleted under us, as a lock file could (and was: rows were lost)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Progress:
+    """A job's partial row (accuracy: the per_problem outcomes so far), saved after every batch beside its result file
+    under a name made from the job's full key, so that a killed job loses at most the batch it was decoding."""
+
+    def __init__(self, result: Path | None, job: dict):
+        self.job, self.path = job, progress_path(result, job) if result else None
+        saved = read_json(self.path, dict) if self.path and self.path.exists() else {}
+        if saved:
+            check_row(saved, str(self.path))
+        self.part = {k: v for k, v in saved.items() if k not in job} if same(job, saved) else {}
+
+    def save(self, **part):
+        self.part = part
+        if self.path:
+            write_json(self.path, {**self.job, **part})
+
+
+def progress_path(result: Path, job: dict) -> Path:
+    return result.with_name(f"{result.stem}.progress-{digest(job)}{result.suffix}")
+
+
+# -----------------------------------------------------------------------------
+# shards
+
+
+def shard_arg(value: str) -> tuple[int, int]:
+    """--shard I/N, the I-th of N slices (1 <= I <= N): '2/4' -> (2, 4). An argparse type."""
+    m = re.fullmatch(r"(\d+)/(\d+)", value.strip())
+    if not m or not 1 <= int(m[1]) <= int(m[2]):
+        raise argparse.ArgumentTypeError(f"takes I/N with 1 <= I <= N, e.g. 2/4 (got {value!r}); for a Slurm array "
+                                         "use --array=1-N")
+    return int(m[1]), int(m[2])
+
+
+def plan(costs: list[float], n: int) -> list[int]:
+    """Which shard (1 .. n) runs each job: the dearest job first, each to the shard with the least cost so far (ties:
+    the lower shard), as in LPT scheduling. A pure function of the costs, so every shard and merge agree.
+    e.g. costs [3, 1, 2, 2], n = 2: 3 -> shard 1, 2 -> 2, 2 -> 2 (2 < 3), 1 -> 1 (3 < 4): [1, 1, 2, 2], 4 and 4."""
+    loads = [(0.0, s) for s in range(1, n + 1)]  # a heap of (cost so far, shard)
+    owner = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: -costs[j]):  # stable: equal costs keep job order
+        load, s = heapq.heappop(loads)
+        owner[j] = s
+        heapq.heappush(loads, (load + costs[j], s))
+    return owner
+
+
+def result_file(out: str | None, shard: tuple[int, int] | None) -> Path | None:
+    """Where this process writes its rows: --out, or with --shard I/N its own file beside it, rows.shard-I-of-N.json."""
+    if shard and not out:
+        raise UsageError("--shard needs --out: each shard writes its rows beside it, for `eval.py merge`")
+    if not shard:
+        return Path(out) if out else None
+    p = Path(out)
+    return p.with_name(f"{p.stem}.shard-{shard[0]}-of-{shard[1]}{p.suffix}")
+
+
+def read_shard(path: Path) -> dict:
+    s = read_json(path, dict)
+    if s.keys() != {"jobs", "plan", "shard", "rows"}:
+        raise UsageError(f"{path} is not a shard file (jobs, plan, shard, rows): move it away")
+    for i, row in enumerate(s["rows"]):
+        check_row(row, f"{path} row {i + 1}")
+    return s
+
+
+def run_jobs(jobs: list[dict], measure, out: str | None = None, shard: tuple[int, int] | None = None,
+             cost=lambda job: 1.0, desc: str = "jobs") -> list[dict]:
+    """Measure every job of this shard (all, without --shard) that neither --out nor the shard's file holds yet, and
+    save each row as it finishes: into the shard's file, or merged into --out under its directory's lock. A row with
+    an "error" is shown but not saved (a failed job is not a result: a rerun retries it). Returns the shard's rows in
+    job order."""
+    path, rows = result_file(out, shard), read_rows(Path(out) if out else None)
+    mine, saved = jobs, []
+    if shard:
+        owner = plan([cost(j) for j in jobs], shard[1])
+        head = {"jobs": jobs, "plan": owner, "shard": list(shard)}
+        mine = [j for j, s in zip(jobs, owner) if s == shard[0]]
+        if path.exists():
+            old = read_shard(path)
+            if any(old[k] != head[k] for k in head):
+                raise UsageError(f"{path} holds shard {shard[0]}/{shard[1]} of another sweep "
+                                 f"({differ(jobs, old['jobs'])}): merge it first (python eval.py merge --out {out}) "
+                                 "or move it away")
+            saved = old["rows"]
+        write_json(path, {**head, "rows": saved})  # at once, even for an empty slice: merge sees that it ran
+        rows += saved
+    failed = []
+    for job in tqdm([j for j in mine if not any(same(j, r) for r in rows)], desc=desc):
+        if not shard and path and any(same(job, r) for r in read_rows(path)):
+            continue  # another sweep on the same --out finished it meanwhile
+        row = {**job, **measure(job)}
+        if "error" in row:
+            failed.append(row)
+            continue
+        rows.append(row)
+        if shard:
+            saved.append(row)
+            write_json(path, {**head, "rows": saved})
+        elif path:
+            with locked(path):
+                write_json(path, [r for r in read_rows(path) if not same(job, r)] + [row])
+        if path:
+            progress_path(path, job).unlink(missing_ok=True)
+    rows = (rows if shard or not path else read_rows(path)) + failed
+    return [next(r for r in rows if same(j, r)) for j in mine if any(same(j, r) for r in rows)]
+
+
+def merge(out: str) -> tuple[list[dict], list[dict]]:
+    """Fold the shard files beside out into it, after checking that they ran one sweep and hold each of its jobs
+    exactly once (or out already holds it); one-line errors name the shard and the jobs. The shard files are removed
+    once out holds their rows. Returns the sweep's jobs and its rows in job order."""
+    path = Path(out)
+    pattern = re.compile(re.escape(path.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(path.suffix))
+    found = {(int(m[1]), int(m[2])): f for f in sorted(path.parent.glob("*")) if (m := pattern.fullmatch(f.name))}
+    if not found:
+        raise UsageError(f"no shard files beside {out} (such as {result_file(out, (1, 2)).name}), so nothing to "
+                         "merge: run the sweep with --shard I/N and the same --out first (a merge removes the files "
+                         "it folds in)")
+    counts = sorted({n for _, n in found})
+    if len(counts) > 1:
+        raise UsageError(f"shard files of {' and '.join(map(str, counts))} shards beside {out}: move the stale set "
+                         "away, then merge again")
+    n = counts[0]
+    shards = {i: read_shard(f) for (i, _), f in sorted(found.items())}
+    first = min(shards)
+    jobs, owner = shards[first]["jobs"], shards[first]["plan"]
+    for i, s in shards.items():
+        if s["jobs"] != jobs or s["plan"] != owner:
+            raise UsageError(f"shard {i}/{n} ran other settings than shard {first}/{n} ({differ(s['jobs'], jobs)}): "
+                             f"rerun it with the same arguments, then merge again")
+    have, where = read_rows(path), {}  # job index -> (which shard, its row)
+    for i, s in shards.items():
+        for row in s["rows"]:
+            k = next((k for k, j in enumerate(jobs) if same(j, row)), None)
+            if k is None:
+                raise UsageError(f"{found[i, n]} holds a row that is not a job of its sweep: delete it, then merge "
+                                 "again")
+            if k in where:
+                raise UsageError(f"{label(jobs[k], jobs)} is in shard {where[k][0]}/{n} and again in shard {i}/{n}: "
+                                 "delete one copy, then merge again")
+            where[k] = (i, row)
+    missing = {}  # shard -> labels of its jobs that no file holds
+    for k, job in enumerate(jobs):
+        old = next((r for r in have if same(job, r)), None)
+        if k not in where and old is None:
+            missing.setdefault(owner[k], []).append(label(job, jobs))
+        elif k in where and old not in (None, where[k][1]):
+            raise UsageError(f"{out} already holds another row for {label(job, jobs)}: move {out} away or delete "
+                             "that row, then merge again")
+    if missing:
+        say = lambda s: f"shard {s}/{n}" + ("" if s in shards else f" never ran (no {result_file(out, (s, n)).name})")
+        raise UsageError(f"{sum(map(len, missing.values()))} of {len(jobs)} rows missing: " + "; ".join(
+            f"{say(s)}: {', '.join(m)}" for s, m in sorted(missing.items())) + ". Rerun those shards, then merge again")
+    with locked(path):  # another sweep may share out on this machine
+        have = read_rows(path)
+        new = [row for k, (_, row) in sorted(where.items()) if not any(same(jobs[k], r) for r in have)]
+        write_json(path, have + new)
+    for f in found.values():
+        f.unlink()
+    rows = read_rows(path)
+    return jobs, [next(r for r in rows if same(j, r)) for j in jobs]
