@@ -485,7 +485,9 @@ def make_jobs(args) -> list[dict]:
         extra = {"grading": GRADING}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
               "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
-    return [{"task": args.cmd, **j, **extra, **common} for j in jobs]
+    # the full cache never evicts, so its row is the same for every --buffer: one reference row serves them all
+    return [{"task": args.cmd, **j, **extra, **common, **({"buffer": None} if j["policy"] == "full" else {})}
+            for j in jobs]
 
 
 def check_jobs(args, jobs: list[dict], lab: dict):
