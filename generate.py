@@ -419,8 +419,8 @@ def load(model_dir, device, dtype):
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
             model_dir = named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
         elif not os.path.isdir(model_dir):
-            raise ModelError(f"--model {model_dir} is neither a directory nor a model weights.py knows: pass a Hugging "
-                             f"Face model directory or one of {', '.join(MODELS)}")
+            raise ModelError(f"--model {model_dir} does not exist as a directory and is no model weights.py knows: pass "
+                             f"a Hugging Face model directory or one of {', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)

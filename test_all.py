@@ -1345,7 +1345,8 @@ def test_manifest_detects_damage(tmp_path, monkeypatch):
     names the command that repairs it."""
     import weights
 
-    d = tmp_path / "m"
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    d = tmp_path / weights.MODELS[weights.DEFAULT_MODEL].dirname
     d.mkdir()
     for f in weights.MODEL_FILES:
         (d / f).write_bytes(b"x" * 1000)
@@ -1357,7 +1358,6 @@ def test_manifest_detects_damage(tmp_path, monkeypatch):
     assert "sha256" in weights.check_manifest(d)
     (d / "model.safetensors").write_bytes(b"x" * 10)
     assert "10 bytes" in weights.check_manifest(d)
-    monkeypatch.setattr(weights, "DEFAULT_MODEL_DIR", d)
     with pytest.raises(weights.SetupError, match="damaged .*python weights.py"):
         weights.default_model_dir(fetch=True)
 

