@@ -1,6 +1,7 @@
 #!/bin/bash
 # How the rows in this folder are made (the claims study, issue 25, and the full-cache baselines, issue 20).
 # Two lanes on the 2-core CPU, each single-threaded; rerunning this script resumes every sweep where it stopped.
+# The claims files start with full_q15.json's GSM8K full-cache row copied in (the same job), so neither recomputes it.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 B="--policies full --n 100 --batch-size 16"
