@@ -58,8 +58,9 @@ DEFAULTS = {
 NULL_OK = {"num_key_value_heads", "head_dim", "sliding_window"}  # null: derived as above (a window: none)
 
 
-def whole(low: int):  # JSON integers only: 30.0 is refused, as transformers' strict config refuses it
-    return lambda v: type(v) is int and v >= low, f"a whole number >= {low}"
+def whole(low: int, high: float = math.inf):  # JSON integers only: 30.0 is refused, as transformers refuses it
+    want = f"a whole number >= {low}" if high == math.inf else f"a whole number from {low} to {high:,}"
+    return lambda v: type(v) is int and low <= v <= high, want
 
 
 def number(above: float = -math.inf):
@@ -69,15 +70,17 @@ def number(above: float = -math.inf):
 
 FLAG = (lambda v: type(v) is bool, "true or false")
 RULES = {  # key -> (test, what it expects)
-    **dict.fromkeys(["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-                     "original_max_position_embeddings"], whole(1)),
+    **dict.fromkeys(["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "max_position_embeddings", "sliding_window", "original_max_position_embeddings"],
+                    whole(1)),
+    "num_hidden_layers": whole(1, 10**6),  # we list a type per layer before the weights can say 10**12 is wrong
     "max_window_layers": whole(0),
     "rms_norm_eps": number(0), "rope_theta": number(1), "factor": number(0),
     **dict.fromkeys(["low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
                      "mscale_all_dim", "partial_rotary_factor"], number()),
     **dict.fromkeys(["tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "truncate"], FLAG),
-    "hidden_act": (lambda v: v in ACTIVATIONS, f"one of {', '.join(ACTIVATIONS)} (nanokv implements no other)"),
+    "hidden_act": (lambda v: isinstance(v, str) and v in ACTIVATIONS,
+                   f"one of {', '.join(ACTIVATIONS)} (nanokv implements no other)"),
 }
 ROPE_FIELDS = {  # the numbers each supported RoPE type needs (modeling_rope_utils)
     "default": (), "linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),

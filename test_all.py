@@ -404,6 +404,8 @@ def test_rope_keys_follow_transformers_precedence(tmp_path):
                               "101 rows"),
     (dict(intermediate_size=10**12), "intermediate_size is 1000000000000, but model.layers.0.mlp.gate_proj.weight"),
     (dict(num_hidden_layers=100000), "num_hidden_layers is 100000, but the weights hold layers 0 to 2: set"),
+    (dict(num_hidden_layers=10**12), "num_hidden_layers is 1000000000000, expected a whole number from 1 to 1,000,000"),
+    (dict(hidden_act=["silu"]), 'hidden_act is ["silu"], expected one of'),
     (dict(num_key_value_heads=DROP, num_attention_heads=6), "num_attention_heads x head_dim (6 x 10) is 60, but"),
     (dict(model_type="mistral", num_key_value_heads=DROP), "num_key_value_heads 8 (transformers' mistral default, as "
                                                            "config.json has none)"),
