@@ -93,7 +93,7 @@ PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "token
 problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(ok(p[k]) for k, ok in PROBLEM.items())
 FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
-    "per_problem": list_of(problem), "l1_window_by_head": maybe(list_of(list_of(num))),
+    "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))

@@ -2132,6 +2132,23 @@ def test_masked_recall_hides_the_fact_per_head(tiny):
     assert abs(got[0][1] - logprob(True)) < 1e-5 and abs(got[1][1] - logprob(False)) < 1e-5
 
 
+def test_head_probe_sweep_writes_rows_and_resumes(tiny_lab, tmp_path, capsys):
+    """`eval.py probe --probe heads` end to end: one row per k = 0 ... H_kv (the fact kept in k KV heads), each with
+    its recall per probe, read back on a rerun, which then has nothing left to run."""
+    out = tmp_path / "heads.json"
+    argv = ["probe", "--probe", "heads", "--model", tiny_lab.model, "--data", tiny_lab.data, "--n", "2", "--gap",
+            "60", "--max-new-tokens", "40", "--out", str(out)]
+    ev.main(argv)
+    rows = json.loads(out.read_text())
+    H_kv = json.loads(open(os.path.join(tiny_lab.model, "config.json")).read())["num_key_value_heads"]
+    assert [r["heads"] for r in rows] == list(range(H_kv + 1))
+    assert all(len(r["recall_by_probe"]) == 2 and 0 <= r["recall"] <= 1 and r["logprob"] < 0 for r in rows)
+    assert rows[0]["head_sets"] == 1 and rows[1]["head_sets"] == H_kv
+    capsys.readouterr()
+    ev.main(argv)  # every row is read back (checked) and none is computed again
+    assert json.loads(out.read_text()) == rows and "probe: 0it" in capsys.readouterr().err
+
+
 # -----------------------------------------------------------------------------
 # weights.py: a GGUF converted offline, and the wheel pipeline's bad inputs
 
