@@ -1,0 +1,61 @@
+"""
+Read what the grader read: decode chosen problems of an `eval.py accuracy` sweep again (full cache, greedy, the
+sweep's prompt) and print the end of each answer beside what the grader extracted, the dataset's answer and the
+verdict, so a person can check the grading by hand.
+
+    python tools/show_answers.py --model qwen2.5-coder-1.5b --data data/gsm8k_test.jsonl --problems 0,1,2,3,4
+    python tools/show_answers.py --model qwen2.5-coder-0.5b --data data/math500.jsonl --problems 0,5 \
+        --max-new-tokens 1024 --row results/study/full_q05.json
+
+With --row, each problem's extracted answer is also compared with the one the sweep's `full` row stored for it
+(per_problem), which names any problem whose answer came out differently this time (the sweep decoded 16 rows at
+a time; fp32 batches of another size can round differently).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+from eval import ASK  # noqa: E402
+from generate import generate, load, make_run  # noqa: E402
+from tasks import extract_answer, is_correct, load_data  # noqa: E402
+
+
+def stored(path: str, data: str, max_new_tokens: int) -> dict:
+    """problem index -> the extracted answer the sweep's full-cache row holds (same data file and token limit)."""
+    rows = [r for r in json.loads(Path(path).read_text()) if r.get("policy") == "full"
+            and r.get("data") == Path(data).name and r.get("max_new_tokens") == max_new_tokens]
+    return {p["i"]: p["pred"] for r in rows[:1] for p in r["per_problem"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Decode chosen problems again and show what the grader read.")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--problems", required=True, help="comma list of problem indices (0-based, in file order)")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--tail", type=int, default=400, help="characters of each answer's end to print")
+    ap.add_argument("--row", help="an accuracy result file whose full-cache row to compare with")
+    args = ap.parse_args()
+    rows, idx = load_data(args.data), [int(i) for i in args.problems.split(",")]
+    model, tok = load(args.model, "cpu", "float32")
+    prompts = [tok.encode(tok.chat([{"role": "user", "content": rows[i]["question"] + ASK}])) for i in idx]
+    outs, _, _ = generate(model, prompts, make_run("full", None, 16, None, [len(p) for p in prompts]),
+                          args.max_new_tokens, eos_ids=tok.eos_ids)
+    old = stored(args.row, args.data, args.max_new_tokens) if args.row else {}
+    for i, ids in zip(idx, outs):
+        r, text = rows[i], tok.decode(ids)
+        stop = "eos" if ids[-1] in tok.eos_ids else "max"
+        pred = extract_answer(text, "####" in r["answer"], stop)
+        gold = r["answer"].split("####")[-1].strip()
+        print(f"\n=== problem {i}: {len(ids)} tokens, stopped at {stop} ===\n{r['question'][:300]}\n--- answer's end ---\n"
+              f"...{text[-args.tail:]}\n--- extracted {pred!r} | dataset {gold!r} | "
+              f"{'correct' if is_correct(pred, r['answer']) else 'wrong'}"
+              + (f" | the sweep extracted {old[i]!r}" + (" (same)" if old[i] == pred else " (DIFFERS)") if i in old else ""))
+
+
+if __name__ == "__main__":
+    main()
