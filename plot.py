@@ -19,7 +19,18 @@ from cli import UsageError
 from results import check_row
 from stats import bootstrap_diff, outcomes
 
-COLORS = {"full": "black"}  # every other line takes the next colour of matplotlib's cycle
+MARKERS = "osD^v<>ph*"
+
+
+def style(names: list[str], plt) -> dict[str, dict]:
+    """A colour and marker per line, stable across the figures of one call: 'full' black, the others from a
+    20-colour map, so that up to 20 policies stay apart."""
+    colors = plt.get_cmap("tab20").colors
+    others = sorted({n for n in names if not n.startswith("full")})
+    out = {n: dict(color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], marker=MARKERS[i % len(MARKERS)])
+           for i, n in enumerate(others)}
+    out |= {n: dict(color="black", marker="o" if n == "full" else "x") for n in names if n.startswith("full")}
+    return out
 
 
 def pyplot():
@@ -166,46 +177,51 @@ def draw(paths: list[str], out: str) -> list[Path]:
         plt.close(fig)
         written.append(out / name)
 
-    for task, ylabel in (("fidelity", "KL(full ‖ policy), mean over traces"), ("accuracy", "accuracy")):
+    names = [n for series in [*lines.values(), bench] for n in series]
+    looks = style(names, plt)
+    for task, ylabel in (("fidelity", "KL(full ‖ policy) per token"), ("accuracy", "accuracy")):
         series = lines[task]
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = plt.subplots(figsize=(8.5, 4.2))
+        bars = False
         for name, pts in series.items():
             k, v, lo, hi = zip(*pts)
             err = None if None in lo else [[a - b for a, b in zip(v, lo)], [b - a for a, b in zip(v, hi)]]
-            ax.errorbar(k, v, yerr=err, marker="o", ms=4, capsize=3, label=name, color=COLORS.get(name))
+            bars |= err is not None
+            ax.errorbar(k, v, yerr=err, ms=4, capsize=3, label=name, **looks[name])
         full = [r for r in rows if r.get("task") == task and r["policy"] == "full"]
         if task == "accuracy" and full:
             ax.axhline(full[-1]["accuracy"], color="black", ls="--", lw=1, label="full cache")
         budgets = sorted({p[0] for pts in series.values() for p in pts})
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget K (cache slots after an eviction)")
+        ax.set_xlabel("budget K (cache slots right after an eviction)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{task}: error bars = paired bootstrap 95 % interval against the full cache", fontsize=9)
+        items = "traces (points: their mean)" if task == "fidelity" else "problems"
+        ax.set_title(f"{task} against the full cache: " + (f"bars = paired bootstrap 95 % interval over {items}"
+                     if bars else "no per-item results in these rows, so no intervals"), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         save(fig, f"{task}.png")
 
     if bench:
-        series = bench
-        fig, (ev, st) = plt.subplots(1, 2, figsize=(9, 3.8))
-        for name, pts in series.items():
-            c, e, s = zip(*pts)
-            color = COLORS.get(name)
+        fig, (ev, st) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for name, pts in bench.items():
+            c, e, ms = zip(*pts)
             if None not in e:
-                ev.plot(c, e, marker="o", ms=4, label=name, color=color)
-            st.plot(c, s, marker="o", ms=4, label=name, color=color)
-        contexts = sorted({p[0] for pts in series.values() for p in pts})
+                ev.plot(c, e, ms=4, label=name, **looks[name])
+            st.plot(c, ms, ms=4, label=name, **looks[name])
+        contexts = sorted({p[0] for pts in bench.values() for p in pts})
         for ax, title in ((ev, "eviction: ms per round"), (st, "decode: ms per step, evictions included")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(contexts, [str(c) for c in contexts])
             ax.set_xlabel("context (position of the decoded token)")
             ax.set_title(title, fontsize=9)
-            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        st.legend(fontsize=7, ncol=2)
+        ev.set_ylim(bottom=0)
+        st.set_yscale("log")  # the eager reference grows past every other line
+        st.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         save(fig, "bench.png")
 
     for m in maps:
