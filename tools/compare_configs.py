@@ -49,6 +49,7 @@ class Case:
     tokens: int = 64  # the sequence compared: longer than every window
     old_layout: bool = False  # config.json as transformers 4 wrote it: top-level rope_theta / rope_scaling
     stray: bool = False  # a consolidated.safetensors beside model.safetensors, in Mistral's own layout
+    embed: float = 1.0  # the embeddings' scale: small where rms_norm_eps must matter (hidden states ~ sqrt(eps))
 
 
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)
@@ -90,7 +91,8 @@ CASES = [
       for mt, acts in [("llama", ["gelu", "gelu_pytorch_tanh", "relu", "swish"]), ("qwen3", ["gelu", "relu"])]
       for act in acts],
 
-    Case("llama-no-rms-norm-eps", "missing", "llama", dict(rms_norm_eps=1e-5), edit=dict(rms_norm_eps=DROP)),
+    Case("llama-no-rms-norm-eps", "missing", "llama", dict(rms_norm_eps=1e-5), edit=dict(rms_norm_eps=DROP),
+         embed=3e-3),
     Case("llama-no-kv-heads", "missing", "llama", dict(num_key_value_heads=4), edit=dict(num_key_value_heads=DROP)),
     Case("llama-null-kv-heads", "missing", "llama", dict(num_key_value_heads=4), edit=dict(num_key_value_heads=None)),
     Case("mistral-no-kv-heads", "missing", "mistral", dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8),
@@ -168,7 +170,7 @@ def build(case: Case, path: Path):
     with torch.no_grad():  # transformers' init is near zero (flat logits, zero biases): spread everything out
         for name, p in hf.named_parameters():
             r = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * r if name.endswith("norm.weight") else r if "embed" in name else 0.1 * r)
+            p.copy_(1 + 0.1 * r if name.endswith("norm.weight") else case.embed * r if "embed" in name else 0.1 * r)
     hf.save_pretrained(path)
     f = path / "config.json"
     f.write_text(json.dumps(edited(json.loads(f.read_text()), case.edit, case.old_layout), indent=2))
