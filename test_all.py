@@ -367,6 +367,23 @@ def test_window_keys_only_where_windows_exist(tmp_path):
     assert ModelConfig.from_hf(tmp_path).sliding_window == 0
 
 
+def test_compare_configs_cases_cover_every_group():
+    """tools/compare_configs.py (run by hand against transformers) has cases in every group it reports, unique names,
+    sequences past every window they set (past 4,096 for the default window), and edits config.json as its docstring
+    says; transformers is not imported."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import compare_configs as cc
+
+    assert {c.group for c in cc.CASES} == set(cc.GROUPS) and len({c.name for c in cc.CASES}) == len(cc.CASES)
+    for c in cc.CASES:
+        windows = [d["sliding_window"] for d in (c.config, c.edit) if type(d.get("sliding_window")) is int]
+        assert c.tokens > max(windows + [4096 if c.group == "window-4096" else 0]), c.name
+    c = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "layer_types": ["full_attention"]}
+    assert cc.edited(c, {"a": 1}, old_layout=True) == {"rope_theta": 1e4, "rope_scaling": None, "a": 1}
+    assert cc.edited(c, {"rope_parameters.rope_theta": cc.DROP}) == dict(c, rope_parameters={"rope_type": "default"})
+    assert c["rope_parameters"]["rope_theta"] == 1e4  # the input is left as it was
+
+
 def rope_from_json(path, **c) -> torch.Tensor:
     from model import rope_frequencies
 
