@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import model as model_py
-from generate import (UsageError, cpu_threads, feed, int_list, load, make_cache, make_run, peak_memory_mb,
-                      policy_names, resolve_device)
+from cli import UsageError, cpu_threads, int_list, load, peak_memory_mb, policy_names, resolve_device
+from generate import feed, make_cache, make_run
 from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
 from results import model_key

@@ -5,19 +5,25 @@ Generate text with a KV-cache eviction policy: prefill, decode loop, eviction ca
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
 slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
-Several prompts of different lengths decode as one batch, each row on its own eviction cadence.
-Left out: rows joining a running batch (continuous batching), speculative decoding, paged memory.
+Several prompts of different lengths decode as one batch, each row on its own eviction cadence; a batch of one
+row is the plain batch-1 decoder. Left out: rows joining a running batch (continuous batching), speculative
+decoding, paged memory.
+
+Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
+(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); what one layer kept (`show_kept`, `kept_map`); the CLI
+(`build_parser`, `main`, `run_cli`, `divergence`). What every command line shares (devices, loading, one-line
+errors) is in cli.py.
 """
 
 import argparse
 import hashlib
+import json
 import math
-import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,7 +31,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from cache import KVCache
-from model import ModelError, Tokenizer, load_model
+from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
+from model import ModelError
 from policies import POLICIES, Policy, ScoreCtx
 
 DEFAULT_PROMPT = ("Describe the water cycle step by step, from evaporation to precipitation. "
@@ -33,25 +40,6 @@ DEFAULT_PROMPT = ("Describe the water cycle step by step, from evaporation to pr
 DEFAULT_ANSWER = "sun"  # the full cache's greedy answer ends with it (test_all checks), after ~460 tokens
 DEFAULT_BUDGET = 192  # for evicting policies: fits the default protected prompt, and the default answer evicts
 N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected
-
-
-class UsageError(Exception):
-    """A bad combination of settings: the message names the numbers and the fix."""
-
-
-def autodetect_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def peak_memory_mb(device) -> float:
-    """Peak memory so far: CUDA allocator peak, else the process's peak resident set."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
 # -----------------------------------------------------------------------------
@@ -86,30 +74,6 @@ class Run:
     def ring(self) -> int:
         """How many recent queries per row the cache keeps for the scorer."""
         return self.buffer if self.policy.window == "buffer" else self.policy.window
-
-
-def policy_names(arg: str, full: bool = True) -> list[str]:
-    """--policies of eval.py and bench.py: 'all' (every registered policy) or a comma list -> names;
-    full=False drops 'full'."""
-    names = [p for p in arg.split(",") if p]
-    if not names:
-        raise UsageError("--policies is empty: give a comma list of policies, or all")
-    names = list(POLICIES) if names == ["all"] else names
-    for p in names:
-        if p not in POLICIES:
-            raise UsageError(f"unknown policy {p!r} in --policies: choose from all, {', '.join(sorted(POLICIES))}")
-    return [p for p in names if full or p != "full"]
-
-
-def int_list(flag: str, value: str) -> list[int]:
-    """A comma list of positive integers, e.g. --budgets 128,256 -> [128, 256]; one-line errors."""
-    try:
-        out = [int(c) for c in str(value).split(",")]
-    except ValueError:
-        raise UsageError(f"{flag} takes comma-separated integers (got {value!r})") from None
-    if min(out) < 1:
-        raise UsageError(f"{flag} values must be at least 1 (got {value})")
-    return out
 
 
 def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int | list[int],
@@ -304,7 +268,7 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
 
 
 # -----------------------------------------------------------------------------
-# terminal map of what one layer kept
+# what one layer kept: a terminal map, or the positions as data (for `eval.py plot`)
 
 
 def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: int = 96) -> str:
@@ -324,20 +288,16 @@ def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: i
     return "\n".join(lines)
 
 
+def kept_map(cache: KVCache, layer: int, run: Run, policy: str) -> dict:
+    """What show_kept draws, as data: the positions each KV head of `layer` holds (row 0), and where the prompt and
+    the recent buffer lie among the positions fed so far. `eval.py plot` draws it as an image."""
+    return {"kind": "kept", "policy": policy, "budget": run.budget, "buffer": run.buffer, "layer": layer,
+            "prompt_len": run.prompt_len[0], "positions": cache.next_pos[0],
+            "heads": cache.pos[layer, 0, :, : cache.length[0]].tolist()}  # [H_kv][S], in temporal order
+
+
 # -----------------------------------------------------------------------------
 # CLI
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + traceback-looking noise
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def add_device_args(ap: argparse.ArgumentParser):
-    """--device and --dtype, shared with eval.py."""
-    ap.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the first available)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep every prompt token (default: the policy's paper setting)")
     ap.add_argument("--show-kept", type=int, nargs="?", const=-1, default=None, metavar="LAYER",
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
+    ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
+                    "--show-kept (default: the middle layer) kept, per KV head, as JSON for `eval.py plot`")
     ap.add_argument("--compare", action="store_true", help="also answer with the full cache and show where the "
                     "two texts first differ")
     return ap
@@ -375,60 +337,6 @@ def main(argv=None):
         sys.exit("\ninterrupted")
     except OSError as e:
         output_failed(e)
-
-
-def output_failed(e: OSError):
-    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line (a full disk under
-    `> /dev/full`, a file we cannot read)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
-    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {e.filename or 'cannot write the output'}: "
-             f"{e.strerror or e}")
-
-
-def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
-    """--device / --dtype -> a usable device and dtype: bf16 on CUDA, fp32 elsewhere unless asked."""
-    device = device or autodetect_device()
-    try:
-        d = torch.device(device)
-    except RuntimeError:
-        d = None
-    if d is None or d.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {device!r} is not a device nanokv runs on: use cpu, cuda, cuda:N or mps")
-    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
-                         "use --device cpu or an existing cuda:N")
-    if d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise UsageError("--device mps: MPS is not available here; use --device cpu")
-    return device, getattr(torch, dtype) if dtype else torch.bfloat16 if d.type == "cuda" else torch.float32
-
-
-def cpu_threads(device):
-    """On CPU, torch keeps one thread: decode's time goes to matrix products, which kernels.linear then hands to
-    numpy's OpenBLAS and its own threads (all cores). A second busy-waiting pool would fight it for the cores."""
-    if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
-
-
-def load(model_dir, device, dtype):
-    """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
-    from weights import DEFAULT_MODEL, MODELS, SetupError, model_dir as named_model_dir
-
-    device, dtype = resolve_device(device, dtype)  # a bad --device fails before any download
-    cpu_threads(device)
-    try:  # a name that weights.py knows (and no directory of that name) is its converted directory
-        if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
-            model_dir = named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
-        elif not os.path.isdir(model_dir):
-            raise ModelError(f"--model {model_dir} does not exist as a directory and is no model weights.py knows: pass "
-                             f"a Hugging Face model directory or one of {', '.join(MODELS)}")
-    except SetupError as e:
-        raise ModelError(str(e)) from None
-    return load_model(model_dir, device, dtype), Tokenizer(model_dir)
-
-
-def note(msg: str):
-    """Progress and timings go to stderr, so stdout holds only the answer and the report."""
-    print(msg, file=sys.stderr, flush=True)
 
 
 def check_sampling(temperature: float, top_p: float):
@@ -463,12 +371,15 @@ def run_cli(args):
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
     make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
+    if args.kept_json and not Path(args.kept_json).resolve().parent.is_dir():
+        raise UsageError(f"--kept-json {args.kept_json}: its folder does not exist; create it or write elsewhere")
     t0 = time.perf_counter()
     note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype)
     cfg = model.cfg
     note(f"[load] {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
-         f"{cfg.num_key_value_heads} heads, {model.model.embed_tokens.weight.dtype} on {model.device} in {time.perf_counter() - t0:.1f} s")
+         f"{cfg.num_key_value_heads} heads, {model.model.embed_tokens.weight.dtype} on {model.device} in "
+         f"{time.perf_counter() - t0:.1f} s")
     prompt = tok.encode(tok.chat([{"role": "user", "content": args.prompt}]))
     limit = model.cfg.max_position_embeddings
     if len(prompt) + args.max_new_tokens > limit:
@@ -490,9 +401,12 @@ def run_cli(args):
     sampling = (args.max_new_tokens, args.temperature, args.top_p, tok.eos_ids)
     (ids,), cache, t = generate(model, [prompt], run, *sampling, on_token=lambda row, ids: stream(ids))
     print()
+    layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:
-        layer = args.show_kept if args.show_kept >= 0 else L // 2
         print(show_kept(cache, layer, len(prompt), run.buffer))
+    if args.kept_json:
+        with open(args.kept_json, "w") as f:
+            json.dump(kept_map(cache, layer, run, args.policy), f)
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     if args.compare and run.budget is not None:
         full = make_run("full", None, args.buffer, None, len(prompt), args.seed)

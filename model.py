@@ -1,19 +1,18 @@
 """
-A from-scratch Llama / Mistral / Qwen2 / Qwen3 forward pass, safetensors loading, and the tokenizer with
-its chat template. Each forward runs a chunk of tokens for every row of a batch (a prompt, a replayed chunk,
-one decode step), reading and writing the flat KV cache of cache.py; rows may differ in length and position.
+A from-scratch Llama / Mistral / Qwen2 / Qwen3 forward pass and safetensors loading. Each forward runs a chunk of
+tokens for every row of a batch (a prompt, a replayed chunk, one decode step), reading and writing the flat KV cache
+of cache.py; rows may differ in length and position.
 
-config.py reads and checks config.json (both transformers layouts). RoPE types: default, linear, llama3, yarn;
-sliding-window layers (Mistral, Qwen2/3) mask by token position. Left out: training, dropout, dynamic-NTK RoPE
-(refused), MoE. References: Llama (https://arxiv.org/abs/2302.13971), the HF `modeling_llama.py` key names and
-`modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071), gpt-fast and nano-vllm.
+config.py reads and checks config.json (both transformers layouts); tokenizer.py holds the tokenizer and the chat
+template. RoPE types: default, linear, llama3, yarn; sliding-window layers (Mistral, Qwen2/3) mask by token position.
+Left out: training, dropout, dynamic-NTK RoPE (refused), MoE. References: Llama (https://arxiv.org/abs/2302.13971),
+the HF `modeling_llama.py` key names and `modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071),
+gpt-fast and nano-vllm.
 """
 
-import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json, token_ids
+from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
 
 # -----------------------------------------------------------------------------
@@ -345,93 +344,3 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transform
                     params[name].copy_(f.get_tensor(name))
     return model.eval()
 
-
-# -----------------------------------------------------------------------------
-# tokenizer and chat template
-
-
-def chat_template(path: Path, config: dict) -> tuple[str | None, Path]:
-    """The chat template and the file it comes from: chat_template.jinja, else tokenizer_config.json's chat_template,
-    one string or a list of named templates ([{"name": "default", "template": ...}, ...]). Of a list we render
-    "default", as transformers does when no tools are passed."""
-    file = path / "chat_template.jinja"
-    if file.exists():
-        try:
-            return file.read_text(encoding="utf-8"), file
-        except UnicodeDecodeError as e:
-            raise ModelError(f"{file} is not UTF-8 text ({e}): re-download the model") from None
-    file, t = path / "tokenizer_config.json", config.get("chat_template")
-    if isinstance(t, list):
-        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-        if "default" not in named:
-            raise ModelError(f"{file}: chat_template lists the templates {sorted(map(str, named))} but none named "
-                             "'default', the one nanokv renders: rename one of them")
-        t = named["default"]
-    if t is not None and not isinstance(t, str):
-        raise ModelError(f"{file}: chat_template must be a string or a list of {{name, template}} entries")
-    return t, file
-
-
-def template_env():
-    """Jinja set up as transformers sets it up for chat templates: sandboxed (range() stops at 100,000 items),
-    trim_blocks and lstrip_blocks, {% break %} and {% continue %}, raise_exception, strftime_now (Llama 3.2's
-    templates print today's date) and a tojson that keeps non-ASCII text and key order as they are."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg):
-        raise TemplateError(msg)
-
-    def tojson(x, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-        return json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    env.filters["tojson"] = tojson
-    return env
-
-
-class Tokenizer:
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise ModelError(f"no tokenizer.json in {path}: nanokv needs a Hugging Face fast tokenizer")
-        try:
-            self.tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
-            raise ModelError(f"{path / 'tokenizer.json'} cannot be read ({str(e).splitlines()[0]}): "
-                             "re-download or re-convert the model") from None
-        tc = path / "tokenizer_config.json"
-        self.config = read_json(tc) if tc.exists() else {}
-        self.template, self.template_file = chat_template(path, self.config)
-        self.compiled = None  # the template, compiled on first use
-        special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
-        self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
-        cfg = ModelConfig.from_hf(path)
-        gen = path / "generation_config.json"
-        eos = set(cfg.eos_token_id) | set(token_ids(read_json(gen).get("eos_token_id"), gen) if gen.exists() else [])
-        if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
-            eos.add(self.tok.token_to_id(self.eos_token))
-        self.eos_ids = sorted(eos)
-
-    def encode(self, text: str) -> list[int]:
-        # the chat template already writes BOS (if any) as text, so we add no special tokens here
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own Jinja chat template, as HF's apply_chat_template does."""
-        if not self.template:  # a base model: plain text, turn after turn
-            return "\n".join(m["content"] for m in messages) + "\n"
-        try:
-            self.compiled = self.compiled or template_env().from_string(self.template)
-            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
-        except Exception as e:  # the template is code from the model's files, so any failure is theirs to fix
-            line = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
-            raise ModelError(f"{self.template_file}: the chat template fails{line} ({type(e).__name__}: "
-                             f"{(str(e) or '?').splitlines()[0]}): fix the template there") from None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from generate import UsageError
+from cli import UsageError
 
 
 # -----------------------------------------------------------------------------

@@ -23,15 +23,20 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import bench
+import cli
 import eval as ev
 import generate as G
 import kernels
 import model as M
 import policies as P
+import probes
 import results as R
+import stats
 import tasks as T
+import traces
 from cache import FREE
-from model import ModelConfig, ModelError, Tokenizer, load_model
+from model import ModelConfig, ModelError, load_model
+from tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -360,6 +365,23 @@ def test_window_keys_only_where_windows_exist(tmp_path):
         assert (c.sliding_window, c.layer_types) == (W, types)
     edit_config(str(tmp_path), use_sliding_window=False, layer_types=DROP)
     assert ModelConfig.from_hf(tmp_path).sliding_window == 0
+
+
+def test_compare_configs_cases_cover_every_group():
+    """tools/compare_configs.py (run by hand against transformers) has cases in every group it reports, unique names,
+    sequences past every window they set (past 4,096 for the default window), and edits config.json as its docstring
+    says; transformers is not imported."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import compare_configs as cc
+
+    assert {c.group for c in cc.CASES} == set(cc.GROUPS) and len({c.name for c in cc.CASES}) == len(cc.CASES)
+    for c in cc.CASES:
+        windows = [d["sliding_window"] for d in (c.config, c.edit) if type(d.get("sliding_window")) is int]
+        assert c.tokens > max(windows + [4096 if c.group == "window-4096" else 0]), c.name
+    c = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "layer_types": ["full_attention"]}
+    assert cc.edited(c, {"a": 1}, old_layout=True) == {"rope_theta": 1e4, "rope_scaling": None, "a": 1}
+    assert cc.edited(c, {"rope_parameters.rope_theta": cc.DROP}) == dict(c, rope_parameters={"rope_type": "default"})
+    assert c["rope_parameters"]["rope_theta"] == 1e4  # the input is left as it was
 
 
 def rope_from_json(path, **c) -> torch.Tensor:
@@ -1083,7 +1105,7 @@ def test_memory_grows_with_rows_not_length(tiny):
 @pytest.mark.parametrize("prompts", [[], [[1, 2], []]])
 def test_generate_refuses_empty_prompts(tiny, prompts):
     """An empty prompt list, or an empty prompt, is a one-line UsageError."""
-    with pytest.raises(G.UsageError, match="at least one prompt"):
+    with pytest.raises(cli.UsageError, match="at least one prompt"):
         G.generate(tiny, prompts, G.make_run("full", None, 8, None, [1] * max(len(prompts), 1)), 4)
 
 
@@ -1120,6 +1142,7 @@ BAD_GENERATE = [
     (["--prompt", "caf\udce9"], "not valid UTF-8"),  # how Python hands over invalid UTF-8 bytes in argv
     (["--prompt", "\ud800"], "not valid UTF-8"),  # a lone surrogate
     (["--prompt", "  "], "--prompt is empty"),
+    (["--kept-json", "/nonexistent-dir/kept.json"], "--kept-json /nonexistent-dir/kept.json: its folder does not"),
 ]
 
 
@@ -1272,7 +1295,10 @@ def test_nan_weights_stop_with_a_message(tmp_path):
         G.generate(model, [[1, 2, 3]], G.make_run("full", None, 8, None, 3), 5)
 
 
-def run_py(args, env=None, timeout=300, stdin=None, shell=False):
+HANG = 3600  # seconds: a subprocess past this is hung, not slow (a loaded 2-core machine ran a 16 s run past 600 s)
+
+
+def run_py(args, env=None, timeout=HANG, stdin=None, shell=False):
     return subprocess.run(args if shell else [sys.executable, *args], cwd=HERE, env=env, capture_output=True, text=True,
                           timeout=timeout, shell=shell)
 
@@ -1280,7 +1306,7 @@ def run_py(args, env=None, timeout=300, stdin=None, shell=False):
 def test_default_model_missing_offline(tmp_path):
     """Without the converted default model and without network, generate.py says which command fetches it."""
     env = dict(os.environ, NANOKV_HOME=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="")
-    p = run_py(["generate.py"], env, timeout=120)
+    p = run_py(["generate.py"], env)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "python weights.py" in p.stderr.strip().splitlines()[-1]
 
@@ -1291,7 +1317,7 @@ def test_unusable_nanokv_home(tmp_path, home):
     saying so, before pip runs."""
     (tmp_path / "file").write_text("")
     env = dict(os.environ, NANOKV_HOME=str(tmp_path / "file" / "sub") if home == "file" else "/proc/nanokv-home")
-    p = run_py(["weights.py"], env, timeout=120)
+    p = run_py(["weights.py"], env)
     assert p.returncode != 0 and "Traceback" not in p.stderr and "not a writable directory" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "pip" not in p.stdout.lower()
 
@@ -1376,11 +1402,11 @@ def test_interrupted_conversion_leftovers_are_cleared(tmp_path, monkeypatch):
 
 
 def test_first_run_evicts_and_compares():
-    """The README's first run, `python generate.py --policy criticalkv --compare`, at a smaller budget and length (the
-    time limit only catches a hang): it evicts several times, the summary and the comparison are well-formed, the
-    streamed text carries no end-of-turn token, and loading and the full-cache answer report their progress."""
+    """The README's first run, `python generate.py --policy criticalkv --compare`, at a smaller budget and length: it
+    evicts several times, the summary and the comparison are well-formed, the streamed text carries no end-of-turn
+    token, and loading and the full-cache answer report their progress."""
     p = run_py(["generate.py", "--policy", "criticalkv", "--compare", "--max-new-tokens", "160", "--budget", "96",
-                "--buffer", "32"], timeout=600)
+                "--buffer", "32"])
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     summary = next(l for l in lines if l.startswith("[criticalkv K=96 r=32"))
@@ -1468,7 +1494,7 @@ def test_bench_jobs_eager_and_errors(tmp_path):
     assert len(todo) == 2 * len(P.POLICIES) + 2 and todo[-1]["eager"] and todo[-1]["context"] == 2048
     for flags, needle in [(["--contexts", "150"], "--steps 128"), (["--steps", "0"], "--steps"),
                           (["--threads", "-1"], "--threads"), (["--batch-sizes", "0"], "--batch-sizes")]:
-        with pytest.raises(G.UsageError, match=needle):
+        with pytest.raises(cli.UsageError, match=needle):
             bench.jobs(args_for("bench", *flags))
 
 
@@ -1550,9 +1576,9 @@ def test_perturbation_is_zero_when_everything_is_kept():
     g = torch.Generator().manual_seed(0)
     k, v, q = torch.randn(2, 10, 8, generator=g), torch.randn(2, 10, 8, generator=g), torch.randn(4, 3, 8, generator=g)
     pos, qp, wo = torch.arange(10).expand(2, 10), torch.tensor([7, 8, 9]), torch.randn(16, 32, generator=g)
-    assert (ev.perturbation_l1(q, qp, (k, v, pos), (k, v, pos), wo) == 0).all()
+    assert (probes.perturbation_l1(q, qp, (k, v, pos), (k, v, pos), wo) == 0).all()
     keep = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 9])  # key 3 evicted
-    assert (ev.perturbation_l1(q, qp, (k, v, pos), (k[:, keep], v[:, keep], pos[:, keep]), wo) > 0).all()
+    assert (probes.perturbation_l1(q, qp, (k, v, pos), (k[:, keep], v[:, keep], pos[:, keep]), wo) > 0).all()
 
 
 def naive_perturbation(model, ids, run, buffer):
@@ -1590,10 +1616,9 @@ def naive_perturbation(model, ids, run, buffer):
 
 
 def test_perturbation_equals_naive_recomputation(tiny):
-    """eval's archive-based perturbation (window queries) equals the naive token-by-token loops on a tiny model."""
+    """The archive-based perturbation (window queries) equals the naive token-by-token loops on a tiny model."""
     lab = trace_lab(tiny, T=80)
-    args = args_for("perturbation", "--buffer", "8")
-    got = ev.head_perturbation(args, "snapkv", 24, False, lab)["window"]
+    got = probes.head_perturbation(tiny, lab["traces"], lambda n: G.make_run("snapkv", 24, 8, False, n))["window"]
     run = G.make_run("snapkv", 24, 8, False, 10)
     with torch.inference_mode():
         want = naive_perturbation(tiny, lab["traces"][0]["ids"], run, 8)
@@ -1686,9 +1711,9 @@ def test_probes_are_deterministic(smollm, kind, where):
     """A probe is a pure function of (data, index, seed): same seed, same tokens; the secret sits where asked."""
     tok = smollm[1]
     rows = T.load_data(str(T.DATA / "math500.jsonl"))[:5]
-    a = ev.build_probe(tok, rows, 1, 0, kind, where, 300)
-    assert a == ev.build_probe(tok, rows, 1, 0, kind, where, 300)
-    assert a["ids"] != ev.build_probe(tok, rows, 1, 1, kind, where, 300)["ids"]
+    a = probes.build_probe(tok, rows, 1, 0, kind, where, 300)
+    assert a == probes.build_probe(tok, rows, 1, 0, kind, where, 300)
+    assert a["ids"] != probes.build_probe(tok, rows, 1, 1, kind, where, 300)["ids"]
     s, e = a["answer"]
     secret = tok.decode(a["ids"][s:e]).strip()
     assert secret.isdigit() and e == len(a["ids"])
@@ -1743,7 +1768,7 @@ def test_concurrent_sweeps_keep_every_row(tmp_path):
     out = str(tmp_path / "rows.json")
     code = CONCURRENT.format(here=HERE, out=out)
     procs = [subprocess.Popen([sys.executable, "-c", code, p], cwd=HERE) for p in ("snapkv,h2o", "random,vase")]
-    assert all(p.wait(timeout=120) == 0 for p in procs)
+    assert all(p.wait(timeout=HANG) == 0 for p in procs)
     rows = json.loads(open(out).read())
     assert sorted((r["policy"], r["budget"] or 0) for r in rows) == sorted(
         [("full", 0)] + [(p, b) for p in ("snapkv", "h2o", "random", "vase") for b in (128, 256, 512)])
@@ -1800,7 +1825,7 @@ def test_shards_in_separate_processes_merge_to_the_unsharded_rows(tiny_lab, tmp_
     out = str(tmp_path / "sharded.json")
     procs = [subprocess.Popen([sys.executable, "eval.py", *argv, "--out", out, "--shard", f"{i}/{n}"], cwd=HERE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(1, n + 1)]
-    assert all(p.wait(timeout=300) == 0 for p in procs), [p.stderr.read()[-2000:] for p in procs]
+    assert all(p.wait(timeout=HANG) == 0 for p in procs), [p.stderr.read()[-2000:] for p in procs]
     ev.main(argv + ["--out", out, "--shard", f"2/{n}"])  # a rerun finds its rows done
     ev.main(["merge", "--out", out])
     assert json.loads(open(out).read()) == json.loads((tmp_path / "one.json").read_text())
@@ -1833,7 +1858,7 @@ def test_merge_names_what_is_wrong_in_one_line(tmp_path, capsys):
     part["rows"] += [lost, dict(lost)]
     s2.write_text(json.dumps(part))
     assert "and again in shard 2/2" in merge()
-    with pytest.raises(G.UsageError, match=r"holds shard 2/2 of another sweep \(seed 1 against 0\)"):
+    with pytest.raises(cli.UsageError, match=r"holds shard 2/2 of another sweep \(seed 1 against 0\)"):
         fake_sweep(out, "--seed", "1", skip=(1,))  # refused before it runs: the file's rows stay
     s2.unlink()
     fake_sweep(out, "--seed", "1", skip=(1,))
@@ -2028,7 +2053,7 @@ def test_unknown_subcommand_is_one_line(capsys):
 
 def test_markdown_hoists_constant_columns():
     """Key columns equal in every row move to a caption line, results never do; None prints as a dash."""
-    md = ev.markdown([{"policy": "full", "budget": None, "n": 3, "kl": 0.0, "top1": 1.0},
+    md = stats.markdown([{"policy": "full", "budget": None, "n": 3, "kl": 0.0, "top1": 1.0},
                       {"policy": "snapkv", "budget": 128, "n": 3, "kl": 0.25, "top1": 1.0}], keys={"policy", "n"})
     assert md.splitlines()[0] == "n=3" and "| full | – | 0 | 1 |" in md and "| snapkv | 128 | 0.25 | 1 |" in md
 
@@ -2037,7 +2062,7 @@ def test_paired_differences():
     """The paired table: per-trace KL minus snapkv's, mean ± standard error, and in how many traces it is lower."""
     rows = [{"policy": "snapkv", "budget": 128, "kl_by_trace": [1.0, 2.0, 3.0]},
             {"policy": "h2o", "budget": 128, "kl_by_trace": [0.5, 2.5, 2.0]}]
-    line = ev.paired(rows).splitlines()[-1]
+    line = stats.paired(rows).splitlines()[-1]
     assert line == "| h2o | 128 | -0.3333 ± 0.4410 | 2/3 |"
 
 
@@ -2045,7 +2070,7 @@ def test_conversation_plans():
     """n conversations open with the n shortest problems and share the others round-robin, each problem once."""
     tok = SimpleNamespace(encode=lambda s: s.split())
     qs = [f"q{i} " + "w " * (10 - i % 5) for i in range(12)]
-    plans = ev.conversation_plans(tok, qs, 3)
+    plans = traces.conversation_plans(tok, qs, 3)
     assert [p[0] for p in plans] == [qs[4], qs[9], qs[3]]  # the shortest (ties by index)
     flat = [q for p in plans for q in p]
     assert sorted(flat) == sorted(qs) and len(flat) == len(set(flat))
@@ -2072,28 +2097,28 @@ def test_traces_do_not_depend_on_batch_size(smollm, tmp_path):
 def test_sign_test_hand_worked():
     """McNemar's exact test on the discordant problems: 5 to 0 gives p = 2/32; 6 to 1 gives 2 (1 + 7) / 128; a tie or no
     discordant problem gives 1 (capped)."""
-    assert ev.sign_test([1] * 5 + [0] * 3, [0] * 8) == (5, 0, 0.0625)
-    assert ev.sign_test([1] * 6 + [0], [0] * 6 + [1]) == (6, 1, 0.125)
-    assert ev.sign_test([1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1])[2] == 1.0
-    assert ev.sign_test([1, 0], [1, 0]) == (0, 0, 1.0)
+    assert stats.sign_test([1] * 5 + [0] * 3, [0] * 8) == (5, 0, 0.0625)
+    assert stats.sign_test([1] * 6 + [0], [0] * 6 + [1]) == (6, 1, 0.125)
+    assert stats.sign_test([1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 0, 1])[2] == 1.0
+    assert stats.sign_test([1, 0], [1, 0]) == (0, 0, 1.0)
 
 
 def test_bootstrap_hand_worked():
     """Two problems with differences (1, 0): resampled means are 0, 1/2, 1 with chances 1/4, 1/2, 1/4, so the 95 %
     interval is [0, 1]; every difference +1 gives [1, 1]; the same seed gives the same interval."""
-    d, lo, hi = ev.bootstrap_diff([True, False], [False, False])
+    d, lo, hi = stats.bootstrap_diff([True, False], [False, False])
     assert (d, lo, hi) == (0.5, 0.0, 1.0)
-    assert ev.bootstrap_diff([True] * 7, [False] * 7) == (1.0, 1.0, 1.0)
+    assert stats.bootstrap_diff([True] * 7, [False] * 7) == (1.0, 1.0, 1.0)
     a, b = [i % 3 == 0 for i in range(50)], [i % 4 == 0 for i in range(50)]
-    assert ev.bootstrap_diff(a, b, seed=3) == ev.bootstrap_diff(a, b, seed=3)
-    d, lo, hi = ev.bootstrap_diff(a, b)
+    assert stats.bootstrap_diff(a, b, seed=3) == stats.bootstrap_diff(a, b, seed=3)
+    d, lo, hi = stats.bootstrap_diff(a, b)
     se = math.sqrt(sum(((x - y) - d) ** 2 for x, y in zip(a, b)) / 49 / 50)  # the normal approximation's 1.96 se
     assert lo < d < hi and abs((hi - lo) / 2 - 1.96 * se) < 0.02
 
 
 def test_min_detectable():
     """No difference below 6 discordant problems can reach p < 0.05 (2/2^5 = 0.0625, 2/2^6 = 0.031)."""
-    assert ev.min_detectable(100) == 0.06 and ev.min_detectable(50) == 0.12
+    assert stats.min_detectable(100) == 0.06 and stats.min_detectable(50) == 0.12
 
 
 def test_paired_accuracy_table():
@@ -2102,7 +2127,7 @@ def test_paired_accuracy_table():
             "per_problem": [{"i": i, "correct": i < 6} for i in range(10)]}
     row = {"policy": "snapkv", "budget": 128, "protect": False,
            "per_problem": [{"i": i, "correct": i < 1} for i in range(10)]}
-    line = ev.paired_accuracy([base, row], base).splitlines()[2]
+    line = stats.paired_accuracy([base, row], base).splitlines()[2]
     assert line.startswith("| snapkv | 128 | False | 0.100 | -0.500 | [") and "| 0 / 5 | 0.0625 |" in line
 
 
@@ -2114,7 +2139,7 @@ def test_masked_recall_hides_the_fact_per_head(tiny):
 
     ids = [int(x) for x in torch.randint(1, 100, (80,), generator=torch.Generator().manual_seed(1))]
     pr = {"ids": ids, "fact": (20, 26), "question": 70, "answer": (76, 80)}
-    got = ev.masked_recall(tiny, pr, [[0, 1], [], [0], [0, 1]])
+    got = probes.masked_recall(tiny, pr, [[0, 1], [], [0], [0, 1]])
     assert got[0] == got[3] and got[1][1] != got[0][1] != got[2][1]
 
     def logprob(keep_fact: bool) -> float:  # eager, masked by position: the same arithmetic as the probe
@@ -2306,3 +2331,150 @@ def test_unknown_quantization_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(weights.SetupError, match=r"tensor \S+ is stored as F32, which this gguf package cannot "
                                                  r"dequantize: upgrade it \(pip install -U gguf\)"):
         weights.convert(src, tmp_path, weights.MODELS["smollm2-135m"])
+
+
+# -----------------------------------------------------------------------------
+# tools/: scripts a reader of the core never needs, run as `python tools/X.py` from the repository root
+
+
+def load_tool(name: str):
+    """A tools/ script imported as a module (tools/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_check_smoke_runs_from_the_root():
+    """`python tools/cuda_check.py --smoke` (its steps 1-2 on the CPU, tiny shape) finds the project's modules from
+    tools/ and passes every kernel and every policy."""
+    p = run_py(["tools/cuda_check.py", "--smoke"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    ok = [l for l in p.stdout.splitlines() if l.startswith("ok ")]
+    assert len(ok) == 4 + len(P.POLICIES) and "FAIL" not in p.stdout
+
+
+def test_compare_llamacpp_writes_an_f32_gguf(tmp_path):
+    """tools/compare_llamacpp.py's F32 copy of a GGUF: the same fields, every tensor F32 under the same name and shape,
+    holding what the source dequantizes to (the Q8_0 output matrix included)."""
+    import gguf
+
+    src, dst = tmp_path / "tiny.gguf", tmp_path / "tiny.F32.gguf"
+    write_tiny_gguf(src)
+    load_tool("compare_llamacpp").write_f32_gguf(src, dst)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    for key, field in a.fields.items():  # the header: model and tokenizer fields, chat template
+        assert key.startswith("GGUF.") or b.fields[key].contents() == field.contents(), key
+    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(gguf.quants.dequantize(tb.data, tb.tensor_type),
+                                      gguf.quants.dequantize(ta.data, ta.tensor_type))
+
+
+# -----------------------------------------------------------------------------
+# figures: eval.py plot (matplotlib, from requirements-plot.txt)
+
+PNG = b"\x89PNG\r\n\x1a\n"  # the first 8 bytes of every PNG file
+
+
+def plot_rows() -> list[dict]:
+    """Tiny hand-made rows of each kind plot draws: fidelity on 3 traces, accuracy on 6 problems, bench."""
+    fid = lambda policy, K, kl: {"task": "fidelity", "policy": policy, "budget": K, "protect": None if K is None else
+                                 False, "kl": sum(kl) / len(kl), "kl_by_trace": kl}
+    problem = lambda i, ok: {"i": i, "correct": ok, "answered": True, "loop": False, "tokens": 9, "stop": "eos",
+                             "evictions": 1, "kept": 0.5, "pred": "1"}
+    acc = lambda policy, K, right: {"task": "accuracy", "policy": policy, "budget": K, "protect": False,
+                                    "data_sha": "d", "model": "m", "max_new_tokens": 9, "accuracy": sum(right) / 6,
+                                    "per_problem": [problem(i, bool(ok)) for i, ok in enumerate(right)]}
+    bench = lambda policy, C, evict, step: {"task": "bench", "policy": policy, "context": C, "batch": 1, "eager": False,
+                                            "budget": None if evict is None else 64, "evict_ms": evict,
+                                            "ms_per_step": step}
+    return [fid("full", None, [0.0, 0.0, 0.0]), fid("snapkv", 64, [0.1, 0.3, 0.2]),
+            fid("snapkv", 128, [0.05, 0.1, 0.03]), fid("random", 64, [0.4, 0.5, 0.6]),
+            acc("full", None, [1, 1, 0, 1, 0, 1]), acc("snapkv", 64, [1, 0, 0, 1, 0, 1]),
+            acc("snapkv", 128, [1, 1, 0, 1, 0, 1]),
+            bench("full", 256, None, 10.0), bench("full", 1024, None, 20.0), bench("snapkv", 256, 3.0, 9.0),
+            bench("snapkv", 1024, 3.2, 9.5)]
+
+
+def test_plot_series_are_the_paired_intervals():
+    """What plot draws, as numbers: per-trace KL with stats.bootstrap_diff's interval against the full cache (KL 0),
+    accuracy on the problems shared with the full cache with its paired interval around it, bench lines by context,
+    and a kept map binned into columns (hand-worked)."""
+    import plot
+
+    rows = plot_rows()
+    fid = plot.budget_series(rows, "fidelity")
+    assert list(fid) == ["snapkv", "random"] and [p[0] for p in fid["snapkv"]] == [64, 128]
+    _, v, lo, hi = fid["snapkv"][0]
+    assert v == pytest.approx(0.2) and (lo, hi) == stats.bootstrap_diff([0.1, 0.3, 0.2], [0, 0, 0])[1:] and lo < v < hi
+    acc = plot.budget_series(rows, "accuracy")
+    _, v, lo, hi = acc["snapkv"][0]
+    d, dlo, dhi = stats.bootstrap_diff([1, 0, 0, 1, 0, 1], [1, 1, 0, 1, 0, 1])
+    assert v == pytest.approx(3 / 6) and d == pytest.approx(-1 / 6)
+    assert (lo, hi) == (pytest.approx(4 / 6 + dlo), pytest.approx(4 / 6 + dhi)) and lo < v <= hi
+    assert acc["snapkv"][1][1:] == (pytest.approx(4 / 6),) * 3  # the same outcomes as the full cache: no spread
+    assert plot.bench_series(rows) == {"full": [(256, None, 10.0), (1024, None, 20.0)],
+                                       "snapkv": [(256, 3.0, 9.0), (1024, 3.2, 9.5)]}
+    kept = {"positions": 9, "heads": [list(range(9)), [0, 8]]}
+    assert plot.kept_image(kept, columns=5) == ([[1.0] * 5, [0.5, 0.0, 0.0, 0.0, 1.0]], 2)  # the last column: 1 pos.
+    both = [dict(r, protect=p) for r in rows[1:2] for p in (True, False)]
+    assert plot.labels(both) == ["snapkv protect=True", "snapkv protect=False"]
+
+
+def test_kept_json_then_plot_writes_pngs(tiny_lab, tmp_path, capsys):
+    """`generate.py --kept-json` writes what one layer holds (the protected prompt and the recent buffer in every
+    head, fewer positions than were fed), and `eval.py plot` turns it and result rows into PNG files that open."""
+    from PIL import Image
+
+    kept, rows = tmp_path / "kept.json", tmp_path / "rows.json"
+    G.main(["--model", tiny_lab.model, "--policy", "random", "--budget", "40", "--buffer", "8", "--max-new-tokens",
+            "60", "--prompt", "What is 2 + 2?", "--show-kept", "1", "--kept-json", str(kept)])
+    m = json.loads(kept.read_text())
+    n, P_len = m["positions"], m["prompt_len"]
+    assert m["layer"] == 1 and len(m["heads"]) == 2 and n > 48
+    for held in m["heads"]:
+        assert held == sorted(held) and len(held) < n and set(range(P_len)) | set(range(n - 8, n)) <= set(held)
+    rows.write_text(json.dumps(plot_rows()))
+    capsys.readouterr()
+    ev.main(["plot", str(rows), str(kept), "--out", str(tmp_path / "figs")])
+    names = ["fidelity.png", "accuracy.png", "bench.png", "kept-random-layer1.png"]
+    assert capsys.readouterr().out.split() == [str(tmp_path / "figs" / f) for f in names]
+    for f in names:
+        data = (tmp_path / "figs" / f).read_bytes()
+        assert data.startswith(PNG) and 5_000 < len(data) < 150_000
+        with Image.open(tmp_path / "figs" / f) as im:
+            assert im.width >= 500 and len(im.convert("RGB").getcolors(1 << 20)) > 20  # drawn, not blank
+
+
+BAD_PLOT = [
+    ("empty", "[]", "nothing to draw in"),
+    ("full-only", json.dumps([plot_rows()[0]]), "nothing to draw in"),
+    ("text", "not json", "is neither a result file of eval.py"),
+    ("object", '{"rows": []}', "is neither a result file of eval.py"),
+    ("bad-row", json.dumps([dict(plot_rows()[1], kl_by_trace=["x"])]), "has a bad 'kl_by_trace'"),
+    ("bad-map", '{"kind": "kept", "positions": 4, "heads": [[9]]}', "a kept map needs"),
+    ("missing", None, "is not a file"),
+]
+
+
+@pytest.mark.parametrize("name,content,needle", BAD_PLOT, ids=[b[0] for b in BAD_PLOT])
+def test_bad_plot_input_one_line(tmp_path, capsys, name, content, needle):
+    """A file plot cannot draw ends in one line that names it and says what to pass; nothing is written."""
+    f = tmp_path / "in.json"
+    if content is not None:
+        f.write_text(content)
+    assert needle in one_line_exit(ev.main, ["plot", str(f), "--out", str(tmp_path / "figs")], capsys)
+    assert not (tmp_path / "figs").exists()
+
+
+def test_plot_without_matplotlib_one_line(tmp_path, capsys, monkeypatch):
+    """Without matplotlib (the core never needs it), plot says which requirements file brings it."""
+    f = tmp_path / "rows.json"
+    f.write_text(json.dumps(plot_rows()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    msg = one_line_exit(ev.main, ["plot", str(f), "--out", str(tmp_path / "figs")], capsys)
+    assert "needs matplotlib" in msg and "pip install -r requirements-plot.txt" in msg

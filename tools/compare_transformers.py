@@ -55,7 +55,8 @@ def load_transformers(gguf: Path, batch: bool = False):
 def parity(args):
     import torch
 
-    from generate import feed, generate, load, make_cache, make_run
+    from cli import load
+    from generate import feed, generate, make_cache, make_run
 
     gguf, path = gguf_and_dir(args.model)
     model, tok = load(str(path), "cpu", "float32")

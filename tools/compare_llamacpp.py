@@ -2,7 +2,7 @@
 Batch-1 decode speed of nanokv beside llama.cpp on the same fp32 weights (the README's side-by-side table).
 
     pip install llama-cpp-python    # compiles llama.cpp, several minutes; not a nanokv requirement, not in CI
-    python compare_llamacpp.py      # writes the F32 GGUF once, then alternates the two decoders
+    python tools/compare_llamacpp.py      # writes the F32 GGUF once, then alternates the two decoders
 
 llama.cpp reads the embedded model's own GGUF with every tensor dequantised to F32 (the numbers weights.py converts
 to safetensors, in llama.cpp's layout). Each decoder runs in a fresh process with 2 threads, prefills the default
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 STEPS = 256
 
@@ -56,7 +58,7 @@ def f32_gguf() -> Path:
 
 def prompt_ids() -> list[int]:
     from generate import DEFAULT_PROMPT
-    from model import Tokenizer
+    from tokenizer import Tokenizer
     from weights import default_model_dir
 
     tok = Tokenizer(default_model_dir())
@@ -65,7 +67,8 @@ def prompt_ids() -> list[int]:
 
 def nanokv_tok_s() -> float:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # before numpy loads: 2 threads, as llama.cpp gets
-    from generate import load, make_run, generate
+    from cli import load
+    from generate import generate, make_run
 
     model, _ = load(None, "cpu", None)
     ids = prompt_ids()

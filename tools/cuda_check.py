@@ -1,7 +1,7 @@
 """
-The CUDA check: run it once on a machine with a CUDA GPU, record its figures in the README, fix what breaks.
+The CUDA check: run it once on a machine with a CUDA GPU, record its figures in RESULTS.md, fix what breaks.
 
-    python cuda_check.py          # ~5 minutes on one H200; without CUDA it says so in one line
+    python tools/cuda_check.py          # ~5 minutes on one H200; without CUDA it says so in one line
 
 1. The Triton kernels (RMSNorm, RoPE, the window-attention scorer) against their torch references on CUDA, fp32
    and bf16, irregular shapes; the CPU tests only run them in the Triton interpreter, in fp32.
@@ -19,6 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the project's modules, and where eval.py runs
+sys.path.insert(0, str(ROOT))
 
 QWEN3_4B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -94,7 +98,7 @@ def main():
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        sys.exit("error: no CUDA device visible to this torch: run cuda_check.py on a machine with a CUDA GPU")
+        sys.exit("error: no CUDA device visible to this torch: run tools/cuda_check.py on a machine with a CUDA GPU")
     device = "cpu" if args.smoke else "cuda"
     print(f"# 1. Triton kernels against their references ({'CPU' if args.smoke else torch.cuda.get_device_name()})")
     lines = check_kernels(device, [torch.float32] if args.smoke else [torch.float32, torch.bfloat16],
@@ -117,7 +121,7 @@ def main():
             cmd = [sys.executable, "eval.py", "bench", "--model", path, "--policies", "full,snapkv,random,criticalkv",
                    "--budget", "2048", "--contexts", "8192,32768", "--batch-sizes", "1,16", "--steps", "128",
                    "--out", args.out]
-            failed += subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0
+            failed += subprocess.run(cmd, cwd=ROOT).returncode != 0
     sys.exit(f"error: {failed} check(s) failed" if failed else 0)
 
 

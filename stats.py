@@ -1,0 +1,101 @@
+"""
+Paired statistics and the Markdown tables eval.py prints (Random Attention's way: every configuration runs on the
+same problems or traces, so any two rows compare item by item).
+
+- accuracy: a paired bootstrap 95 % interval of the difference over problems, and McNemar's exact sign test on the
+  problems where exactly one of the two is right; `min_detectable` says what n problems can show at all;
+- fidelity: per-trace KL differences against a base policy, mean +- standard error.
+Pure functions of result rows: plot.py draws the same intervals. Left out: corrections for multiple comparisons.
+"""
+
+import json
+import math
+
+import torch
+
+
+def bootstrap_diff(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0
+                   ) -> tuple[float, float, float]:
+    """Mean of a minus mean of b over the same items, with its paired bootstrap 95 % interval: resample the items
+    with replacement (an item keeps both of its values) and take the 2.5 and 97.5 percentiles. Items are problems
+    (a, b: right or wrong, so the difference is one of accuracy) or traces (a, b: per-trace KL)."""
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)  # [n], e.g. in {-1, 0, 1}
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)  # [resamples]
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return d.mean().item(), lo, hi
+
+
+def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
+    """McNemar's exact test: on the problems where exactly one of a and b is right (n10 for a, n01 for b), is a
+    50/50 split plausible? Two-sided p = 2 P[Binomial(n10 + n01, 1/2) <= min(n10, n01)], at most 1."""
+    n10 = sum(x and not y for x, y in zip(a, b))
+    n01 = sum(y and not x for x, y in zip(a, b))
+    n = n10 + n01
+    p = 2 * sum(math.comb(n, i) for i in range(min(n10, n01) + 1)) / 2**n
+    return n10, n01, min(1.0, p)
+
+
+def min_detectable(n: int, alpha: float = 0.05) -> float:
+    """The smallest accuracy difference n problems can show at all: k discordant problems, all one way, are
+    significant from k = 6 on at alpha = 0.05 (p = 2 / 2^k), so no difference below k / n can be."""
+    k = next(k for k in range(1, 64) if 2 / 2**k < alpha)
+    return k / n if n else float("nan")
+
+
+def outcomes(row: dict) -> dict[int, bool]:
+    return {o["i"]: o["correct"] for o in row.get("per_problem", [])}
+
+
+def paired_accuracy(rows: list[dict], base: dict) -> str:
+    """Each accuracy row against `base` on the problems both answered: the difference, its paired bootstrap 95 %
+    interval, the discordant problems (row right only / base right only) and the exact sign test's p. Markdown."""
+    ref = outcomes(base)
+    lines = ["| policy | K | protect | accuracy | Δ vs " + base["policy"] + " | 95 % interval | discordant | p |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        got = outcomes(r)
+        common = sorted(set(got) & set(ref))
+        if r is base or not common:
+            continue
+        a, b = [got[i] for i in common], [ref[i] for i in common]
+        d, lo, hi = bootstrap_diff(a, b)
+        n10, n01, p = sign_test(a, b)
+        lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['protect']} | {sum(a) / len(a):.3f} | {d:+.3f} | "
+                     f"[{lo:+.3f}, {hi:+.3f}] | {n10} / {n01} | {p:.3g} |")
+    n = len(ref)
+    return "\n".join(lines + [f"n = {n} problems: no difference below {min_detectable(n):.3f} can reach p < 0.05"])
+
+
+def paired(rows: list[dict], base: str = "snapkv") -> str:
+    """Every policy's per-trace KL against `base`'s on the same traces: mean difference ± standard error and in how
+    many traces the policy is lower. Markdown; empty when base is not among the rows."""
+    ref = {r["budget"]: r["kl_by_trace"] for r in rows if r["policy"] == base and "kl_by_trace" in r}
+    lines = []
+    for r in rows:
+        b = ref.get(r["budget"])
+        if r["policy"] in ("full", base) or b is None or len(b) != len(r.get("kl_by_trace", [])):
+            continue
+        d = torch.tensor(r["kl_by_trace"]) - torch.tensor(b)
+        se = d.std().item() / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        lines.append(f"| {r['policy']} | {r['budget']} | {d.mean().item():+.4f} ± {se:.4f} | "
+                     f"{int((d < 0).sum())}/{len(d)} |")
+    head = [f"KL difference against {base} per trace (mean ± standard error; lower in x/N traces):",
+            "| policy | budget | Δ KL | lower |", "|---|---|---|---|"]
+    return "\n".join(head + lines) if lines else ""
+
+
+# -----------------------------------------------------------------------------
+
+
+def markdown(rows: list[dict], keys=()) -> str:
+    """A Markdown table; key columns that are the same in every row move to one caption line above it, lists
+    stay in the JSON only."""
+    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list)))
+    same = [c for c in cols if len(rows) > 1 and c in keys and c not in ("policy", "budget")
+            and len({json.dumps(r.get(c)) for r in rows}) == 1]
+    fmt = lambda v: "–" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+    cols = [c for c in cols if c not in same]
+    lines = [" ".join(f"{c}={fmt(rows[0][c])}" for c in same)] if same else []
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])

@@ -1,0 +1,107 @@
+"""
+The fidelity traces: conversations that the full cache writes itself and that eval then teacher-forces through each
+compressed cache. A small instruct model answers a MATH problem in a few hundred tokens, so each trace packs several:
+a short system message, problem, greedy full-cache answer, next problem, ... until it holds --min-tokens. `replay`
+feeds a token sequence through a cache on the generation cadence (one chunk per eviction), which is what fidelity,
+the probes and the output perturbation measure on.
+
+Left out: sampled traces, and a reasoning model's own long chains of thought (run eval.py with such a model instead).
+"""
+
+import torch
+from tqdm import tqdm
+
+from cli import UsageError
+from generate import feed, make_cache, make_run
+from model import ModelError
+
+SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
+
+
+def turn_ids(tok, messages: list[dict], text: str) -> tuple[list[int], str]:
+    """Tokens that the chat template adds after `text` (what the conversation already holds) for messages."""
+    full = tok.chat(messages)
+    if not full.startswith(text):
+        raise ModelError("the chat template rewrites earlier turns, so conversations cannot be packed")
+    return tok.encode(full[len(text) :]), full
+
+
+def conversation_plans(tok, questions: list[str], n: int) -> list[list[str]]:
+    """n conversations: each opens with one of the n shortest problems, so that its first turn (what
+    --protect-prompt keeps) fits a small K - r; then the other problems follow, dealt round-robin in file order,
+    as many as each conversation needs. Each conversation is independent of the others and of the batch size."""
+    order = sorted(range(len(questions)), key=lambda i: (len(tok.encode(questions[i])), i))
+    openers, rest = order[:n], sorted(order[n:])
+    return [[questions[openers[c]]] + [questions[i] for i in rest[c::n]] for c in range(n)]
+
+
+@torch.inference_mode()
+def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
+    """Greedy full-cache conversations, one batch row each: problem, answer, next problem, ... until the row holds
+    --min-tokens. Rows decode together; a row whose answer ends feeds its next problem's turn in the same step as
+    the others' next token. Returns per conversation its ids, prompt length (first turn) and the answer spans."""
+    cap = args.min_tokens + 2 * args.max_new_tokens + 1024
+    run = make_run("full", None, args.buffer, None, [1] * len(plans))
+    cache = make_cache(model, run, cap)
+    convs = [{"messages": [{"role": "system", "content": SYSTEM}], "text": "", "ids": [], "spans": [],
+              "todo": list(p), "answer": []} for p in plans]
+
+    def next_turn(c) -> list[int] | None:  # the next problem's turn, added to the conversation; None = it is done
+        if len(c["ids"]) >= args.min_tokens or not c["todo"]:
+            return None
+        c["messages"].append({"role": "user", "content": c["todo"].pop(0)})
+        new, c["text"] = turn_ids(tok, c["messages"], c["text"])
+        if len(c["ids"]) + len(new) + args.max_new_tokens > cap:
+            if not c["ids"]:
+                raise UsageError(f"a problem of {len(new)} tokens does not fit the trace cache: raise --min-tokens")
+            return None
+        c["ids"] += new
+        c.setdefault("prompt_len", len(c["ids"]))  # the system message and the first problem
+        return new
+
+    pending = [next_turn(c) for c in convs]  # what each row feeds next
+    bar = tqdm(total=len(plans) * args.min_tokens, desc="traces (full cache, greedy)", unit="tok", leave=False)
+    while cache.batch:
+        bar.update(sum(map(len, pending)))
+        x = torch.tensor([p + [0] * (max(map(len, pending)) - len(p)) for p in pending], device=model.device)
+        nxt = feed(model, cache, x, run, n=[len(p) for p in pending])[:, -1].argmax(-1).tolist()
+        keep = []
+        for b, (row, t) in enumerate(zip(cache.rows, nxt)):
+            c = convs[row]
+            ended = t in tok.eos_ids  # the template writes the end-of-turn token itself, with the next turn
+            if not ended:
+                c["answer"].append(t)
+                ended = len(c["answer"]) == args.max_new_tokens
+            if not ended:
+                pending[b] = [t]
+                keep.append(b)
+                continue
+            answer, c["answer"] = c["answer"], []
+            c["spans"].append((len(c["ids"]), len(c["ids"]) + len(answer)))
+            c["ids"] += answer
+            c["messages"].append({"role": "assistant", "content": tok.decode(answer)})
+            c["text"] += c["messages"][-1]["content"]
+            new = next_turn(c)
+            if new is not None:  # a capped answer's last token has not been fed yet: it goes first
+                pending[b] = ([] if t in tok.eos_ids else [t]) + new
+                keep.append(b)
+        if len(keep) < cache.batch:
+            cache.keep_rows(keep)
+            pending = [pending[b] for b in keep]
+    bar.close()
+    return [{"ids": c["ids"], "prompt_len": c["prompt_len"], "spans": c["spans"]} for c in convs]
+
+
+def targets(trace: dict) -> torch.Tensor:
+    """Positions whose logits predict a generated token: each span [a, b) is predicted from a - 1 ... b - 2."""
+    return torch.tensor([t - 1 for a, b in trace["spans"] for t in range(a, b)])
+
+
+@torch.inference_mode()
+def replay(model, ids: list[int], run, start: int = 0):
+    """Teacher-force ids through run's cache on the generation cadence; logits [T - start, V] from `start`."""
+    cache = make_cache(model, run, len(ids))
+    x = torch.tensor([ids], device=model.device)
+    if start:
+        feed(model, cache, x[:, :start], run)
+    return feed(model, cache, x[:, start:], run, all_logits=True)[0]
