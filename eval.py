@@ -37,6 +37,17 @@ from traces import SYSTEM, conversation_plans, pack_conversations, replay, targe
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+def ask(tok, question: str) -> list[int]:
+    """The prompt of a free-generation problem: the question and ASK, one user turn of the chat template."""
+    return tok.encode(tok.chat([{"role": "user", "content": question + ASK}]))
+
+
+def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str | None]:
+    """(how the answer stopped: "eos" or "max", the answer the grader extracts) of generated ids."""
+    stop = "eos" if ids[-1] in tok.eos_ids else "max"
+    return stop, extract_answer(tok.decode(ids), "####" in answer, stop)
+
+
 # -----------------------------------------------------------------------------
 # shared state of a sweep: the model, its traces and the full cache's log-probs, built once on first use
 
@@ -108,15 +119,14 @@ def accuracy(args, job: dict, lab: dict) -> dict:
         raise UsageError(f"{progress.path} does not hold the first problems in order: delete it and rerun")
     for i in range(len(done), len(rows), args.batch_size):
         batch = rows[i : i + args.batch_size]
-        prompts = [tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}])) for r in batch]
+        prompts = [ask(tok, r["question"]) for r in batch]
         # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
         run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
                        args.seed, ids=list(range(i, i + len(batch))))
         kept = kept_share(run)
         outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
         for k, (r, ids) in enumerate(zip(batch, outs)):
-            stop = "eos" if ids[-1] in tok.eos_ids else "max"
-            pred = extract_answer(tok.decode(ids), "####" in r["answer"], stop)
+            stop, pred = answer_of(tok, ids, r["answer"])
             done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
                          "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                          "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred})
@@ -239,7 +249,7 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     model, tok = model_of(args, lab)
     rows = load_data(args.data)
     if args.cmd == "accuracy":
-        lens = [len(tok.encode(tok.chat([{"role": "user", "content": r["question"] + ASK}]))) for r in rows[: args.n]]
+        lens = [len(ask(tok, r["question"])) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
     elif args.cmd == "probe" and args.probe == "heads":  # the model's own conversations, a fact planted in each
         pr = lab["probes"] = [plant_fact(tok, tr, i, args.seed, args.gap) for i, tr in enumerate(traces(args, lab))]

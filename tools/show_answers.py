@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from eval import ASK  # noqa: E402
+from eval import answer_of, ask  # noqa: E402
 from generate import generate, load, make_run  # noqa: E402
-from tasks import extract_answer, is_correct, load_data  # noqa: E402
+from tasks import is_correct, load_data  # noqa: E402
 
 
 def stored(path: str, data: str, max_new_tokens: int) -> dict:
@@ -42,14 +42,13 @@ def main():
     args = ap.parse_args()
     rows, idx = load_data(args.data), [int(i) for i in args.problems.split(",")]
     model, tok = load(args.model, "cpu", "float32")
-    prompts = [tok.encode(tok.chat([{"role": "user", "content": rows[i]["question"] + ASK}])) for i in idx]
+    prompts = [ask(tok, rows[i]["question"]) for i in idx]
     outs, _, _ = generate(model, prompts, make_run("full", None, 16, None, [len(p) for p in prompts]),
                           args.max_new_tokens, eos_ids=tok.eos_ids)
     old = stored(args.row, args.data, args.max_new_tokens) if args.row else {}
     for i, ids in zip(idx, outs):
         r, text = rows[i], tok.decode(ids)
-        stop = "eos" if ids[-1] in tok.eos_ids else "max"
-        pred = extract_answer(text, "####" in r["answer"], stop)
+        stop, pred = answer_of(tok, ids, r["answer"])
         gold = r["answer"].split("####")[-1].strip()
         print(f"\n=== problem {i}: {len(ids)} tokens, stopped at {stop} ===\n{r['question'][:300]}\n--- answer's end ---\n"
               f"...{text[-args.tail:]}\n--- extracted {pred!r} | dataset {gold!r} | "
