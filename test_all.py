@@ -2478,3 +2478,14 @@ def test_plot_without_matplotlib_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     msg = one_line_exit(ev.main, ["plot", str(f), "--out", str(tmp_path / "figs")], capsys)
     assert "needs matplotlib" in msg and "pip install -r requirements-plot.txt" in msg
+
+
+def test_show_answers_prints_what_the_grader_read(tiny_lab):
+    """tools/show_answers.py decodes the chosen problems again and prints, for each, the grader's verdict beside the
+    dataset's answer, in problem order."""
+    p = run_py(["tools/show_answers.py", "--model", tiny_lab.model, "--data", tiny_lab.data, "--problems", "3,1",
+                "--max-new-tokens", "8"])
+    assert p.returncode == 0, p.stderr
+    heads = [l for l in p.stdout.splitlines() if l.startswith("=== problem")]
+    assert [h.split()[2] for h in heads] == ["3:", "1:"] and "8 tokens, stopped at max" in heads[0]
+    assert "| dataset '12' | wrong" in p.stdout and "| dataset '4' | wrong" in p.stdout
