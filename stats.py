@@ -26,6 +26,21 @@ def bootstrap_diff(a: list[float], b: list[float], resamples: int = 10_000, seed
     return d.mean().item(), lo, hi
 
 
+def spread_diff(a: list[list[bool]], b: list[list[bool]], resamples: int = 10_000, seed: int = 0
+                ) -> tuple[float, float, float, float]:
+    """Random Attention's bunching: the spread (best minus worst accuracy) across the policies of a, the same across
+    those of b, and the paired bootstrap 95 % interval of spread(a) - spread(b). a and b hold one list of outcomes
+    per policy, all over the same problems; a resample draws problems, each keeping every policy's outcome."""
+    A = torch.tensor(a, dtype=torch.float64)  # [policies in a, n]
+    B = torch.tensor(b, dtype=torch.float64)  # [policies in b, n]
+    spread = lambda acc: (acc.max(0).values - acc.min(0).values)  # over policies
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(A.shape[1], (resamples, A.shape[1]), generator=g)  # [resamples, n]
+    d = spread(A[:, idx].mean(-1)) - spread(B[:, idx].mean(-1))  # [resamples]
+    lo, hi = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return spread(A.mean(-1)).item(), spread(B.mean(-1)).item(), lo, hi
+
+
 def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
     """McNemar's exact test: on the problems where exactly one of a and b is right (n10 for a, n01 for b), is a
     50/50 split plausible? Two-sided p = 2 P[Binomial(n10 + n01, 1/2) <= min(n10, n01)], at most 1."""

@@ -1893,6 +1893,10 @@ def test_accuracy_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, capsys, s
     assert resumed[:3] == [2, 3, 4] and len(resumed) == 3 + 5 * (not shard)  # unsharded: the full cache's job too
     assert a == b and [p["i"] for p in a[-1]["per_problem"]] == [0, 1, 2, 3, 4]
     assert not list(tmp_path.glob("*progress*"))  # gone once the row is saved
+    if not shard:  # a finished sweep run again reports its rows without loading the model
+        monkeypatch.setattr(ev, "model_of", lambda *a: pytest.fail("loaded the model for a finished sweep"))
+        ev.main(argv + ["--out", str(tmp_path / "a.json")])
+        assert "| random | 128 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("policy, budget", [("full", None), ("snapkv", 48), ("random", 40), ("streaming", 64)])
@@ -2114,6 +2118,15 @@ def test_bootstrap_hand_worked():
     d, lo, hi = stats.bootstrap_diff(a, b)
     se = math.sqrt(sum(((x - y) - d) ** 2 for x, y in zip(a, b)) / 49 / 50)  # the normal approximation's 1.96 se
     assert lo < d < hi and abs((hi - lo) / 2 - 1.96 * se) < 0.02
+
+
+def test_spread_diff_hand_worked():
+    """Two policies that agree on every problem have spread 0 in every resample; one always right beside one always
+    wrong has spread 1: the difference is -1 exactly. One policy right on 1 of 2 problems beside one never right: the
+    spread is that policy's resampled mean, 0, 1/2 or 1, so the interval is [0, 1] around 1/2."""
+    same, apart = [[1, 1, 0, 0], [1, 1, 0, 0]], [[1, 1, 1, 1], [0, 0, 0, 0]]
+    assert stats.spread_diff(same, apart) == (0.0, 1.0, -1.0, -1.0)
+    assert stats.spread_diff([[1, 0], [0, 0]], [[0, 0], [0, 0]]) == (0.5, 0.0, 0.0, 1.0)
 
 
 def test_min_detectable():
@@ -2489,3 +2502,28 @@ def test_show_answers_prints_what_the_grader_read(tiny_lab):
     heads = [l for l in p.stdout.splitlines() if l.startswith("=== problem")]
     assert [h.split()[2] for h in heads] == ["3:", "1:"] and "8 tokens, stopped at max" in heads[0]
     assert "| dataset '12' | wrong" in p.stdout and "| dataset '4' | wrong" in p.stdout
+
+
+def test_claims_tables_pair_every_row_by_problem(tmp_path):
+    """tools/claims.py on hand-made rows of 10 problems: each row against full, the spread across the policies run
+    both ways (protected snapkv 0.2 and random 0.3: 0.1; not protected 0.4 and 0.1: 0.3), random against the scorer,
+    and an unfinished sweep's progress file with --partial. Without a full row it stops in one line."""
+    def row(policy, protect, right, n=10):
+        pp = [{"i": i, "correct": i in right, "answered": True, "loop": False, "tokens": 100, "evictions": 3,
+               "kept": 0.5, "pred": str(i) if i in right else "x"} for i in range(n)]
+        return {"task": "accuracy", "policy": policy, "budget": None if policy == "full" else 64, "protect": protect,
+                "data": "d", "model": "m", "per_problem": pp}
+    full = row("full", None, range(6))
+    a = [full, row("snapkv", True, range(2)), row("random", True, range(3))]
+    b = [full, row("snapkv", False, range(4)), row("random", False, [0])]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    (tmp_path / "a.progress-0.json").write_text(json.dumps(row("vase", True, [1], n=4)))
+    p = run_py(["tools/claims.py", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--partial"])
+    assert p.returncode == 0, p.stderr
+    assert "| snapkv, protected | 64 | 0.20 | -0.40 | [" in p.stdout and "| 0 / 4 | 0.12 | 0.60 |" in p.stdout
+    assert "| vase, protected (n = 4 so far) | 64 | 0.25 |" in p.stdout and p.stdout.count("| full |") == 1
+    assert "protected 0.10, not protected 0.30; difference -0.20" in p.stdout
+    assert "| snapkv, protected - random, protected | -0.10 |" in p.stdout and "| 0 / 1 | 1 |" in p.stdout
+    p = run_py(["tools/claims.py", str(tmp_path / "a.progress-0.json")])
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "no full-cache accuracy row" in p.stderr

@@ -11,13 +11,13 @@ F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --batch-size 16 --data data/gsm
 ( # lane A: claims 1-2 with the prompt protected, then claim 4 (the head probe)
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q05.json
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q05.json
-  python eval.py accuracy --policies snapkv,vase,vase-adversary,random $S --protect-prompt --out results/study/claims_q15.json
+  python eval.py accuracy --policies snapkv,vase,random,vase-adversary $S --protect-prompt --out results/study/claims_q15.json
   python eval.py probe --probe heads --model qwen2.5-coder-1.5b --n 8 --gap 1500 --data data/gsm8k_test.jsonl --out results/study/heads_q15.json
 ) &
 ( # lane B: the 1.5B baselines, claims 1-2 without protection, then claims 3 and 5 by fidelity
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q15.json
+  python eval.py accuracy --policies snapkv,random,vase $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q15.json
-  python eval.py accuracy --policies snapkv,vase,vase-adversary,random $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py fidelity --policies all --budgets 192 $F
   python eval.py fidelity --policies snapkv,criticalkv,vase,random --budgets 256,384 $F
   python eval.py perturbation --policies snapkv,criticalkv --budgets 192 $F

@@ -1,0 +1,121 @@
+"""
+The claims study's tables (issue 25), from its result files: every number in RESULTS.md's claims section comes from
+
+    python tools/claims.py results/study/claims_q15.json results/study/claims_q15_noprotect.json
+
+Accuracy rows of all files are paired by problem (every configuration ran on the same problems):
+1. each configuration against the full cache: accuracy, the difference with its paired bootstrap 95 % interval and
+   McNemar's exact sign test, how often its extracted answer is the full cache's, loops, answer length, eviction
+   rounds per answer (mean and median) and the share of answer tokens still held when the answer ended;
+2. Random Attention's spread: best minus worst accuracy across the policies run both ways, protected and not, and
+   the interval of the difference;
+3. random against each scorer, both protected; 4. VASE against its variants at the same setting.
+With --partial, the sweeps' progress files beside each file are read too (rows marked with their n so far), and
+pairs use the problems both rows have.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+from stats import bootstrap_diff, min_detectable, outcomes, sign_test, spread_diff  # noqa: E402
+
+SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
+
+
+def rows_of(paths: list[str], partial: bool) -> list[dict]:
+    """Accuracy rows, one per (policy, budget, protect): a job found twice (the full row copied into each file) once."""
+    seen, rows = set(), []
+    files = [Path(p) for p in paths]
+    if partial:
+        files += [q for p in files for q in sorted(p.parent.glob(p.stem + ".progress-*.json"))]
+    for f in files:
+        got = json.loads(f.read_text())
+        for r in got if isinstance(got, list) else [dict(got, partial=True)]:
+            key = (r.get("policy"), r.get("budget"), r.get("protect"), r.get("data"), r.get("model"))
+            if r.get("task") == "accuracy" and r.get("per_problem") and key not in seen:
+                seen.add(key)
+                rows.append(r)
+    return rows
+
+
+def name(r: dict) -> str:
+    protect = {True: ", protected", False: ", not protected"}.get(r["protect"], "")
+    return f"{r['policy']}{protect}" + (f" (n = {len(r['per_problem'])} so far)" if r.get("partial") else "")
+
+
+def compare(r: dict, base: dict) -> str:
+    """Δ (r - base) on the problems both hold, its interval, discordant problems (r right / base right), p."""
+    got, ref = outcomes(r), outcomes(base)
+    common = sorted(set(got) & set(ref))
+    a, b = [got[i] for i in common], [ref[i] for i in common]
+    d, lo, hi = bootstrap_diff(a, b)
+    n10, n01, p = sign_test(a, b)
+    return f"{d:+.2f} | [{lo:+.2f}, {hi:+.2f}] | {n10} / {n01} | {p:.2g}"
+
+
+def table(rows: list[dict], full: dict) -> list[str]:
+    preds = {p["i"]: p["pred"] for p in full["per_problem"]}
+    out = ["| configuration | K | accuracy | Δ vs full | 95 % interval | discordant | sign test p | same answer as "
+           "full | answered | loops | mean tokens | evictions (mean / median) | answer tokens kept |", "|---" * 13 + "|"]
+    for r in rows:
+        pp = r["per_problem"]
+        mean = lambda f: sum(p[f] for p in pp) / len(pp)
+        vs = "– | – | – | –" if r is full else compare(r, full)
+        same = sum(p["pred"] is not None and p["pred"] == preds.get(p["i"]) for p in pp) / len(pp)
+        out.append(f"| {name(r)} | {r['budget'] or '–'} | {mean('correct'):.2f} | {vs} | {same:.2f} | "
+                   f"{mean('answered'):.2f} | {mean('loop'):.2f} | {mean('tokens'):.0f} | {mean('evictions'):.1f} / "
+                   f"{statistics.median(p['evictions'] for p in pp):.0f} | {mean('kept'):.0%} |")
+    return out
+
+
+def spread(rows: list[dict]) -> list[str]:
+    """Policies run both protected and not: the spread of their accuracies each way, on the problems all rows hold."""
+    by = {(r["policy"], r["protect"]): r for r in rows}
+    both = [p for p, s in by if s is True and (p, False) in by]
+    if len(both) < 2:
+        return []
+    common = sorted(set.intersection(*(set(outcomes(by[p, s])) for p in both for s in (True, False))))
+    acc = lambda s: [[outcomes(by[p, s])[i] for i in common] for p in both]
+    on, off, lo, hi = spread_diff(acc(True), acc(False))
+    return [f"Spread (best minus worst accuracy) across {', '.join(both)} on the {len(common)} problems all of them "
+            f"hold: protected {on:.2f}, not protected {off:.2f}; difference {on - off:+.2f}, paired bootstrap 95 % "
+            f"interval [{lo:+.2f}, {hi:+.2f}]."]
+
+
+def pairs(rows: list[dict], title: str, want) -> list[str]:
+    lines = [f"| {title} | Δ (first - second) | 95 % interval | discordant | sign test p |", "|---|---|---|---|---|"]
+    lines += [f"| {name(a)} - {name(b)} | {compare(a, b)} |" for a in rows for b in rows if want(a, b)]
+    return lines if len(lines) > 2 else []
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Print the claims study's tables from its result files.")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")
+    args = ap.parse_args()
+    rows = rows_of(args.files, args.partial)
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    if full is None:
+        sys.exit("claims.py: no full-cache accuracy row in these files: the table is paired against it")
+    order = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epikv", "vase", "vase-topk",
+                                          "vase-noreserve", "vase-adversary", "random"))}
+    rows.sort(key=lambda r: (r["policy"] != "full", r["protect"] is False, order.get(r["policy"], 99)))
+    n = len(full["per_problem"])
+    print("\n".join(table(rows, full)))
+    print(f"\nn = {n} problems: no difference below {min_detectable(n):.2f} can reach p < 0.05.\n")
+    print("\n".join(spread(rows)))
+    print()
+    print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: a["policy"] in SCORERS
+                          and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
+    print()
+    print("\n".join(pairs(rows, "VASE - its variants", lambda a, b: a["policy"] == "vase" and
+                          b["policy"].startswith("vase-") and a["protect"] == b["protect"])))
+
+
+if __name__ == "__main__":
+    main()
