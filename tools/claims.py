@@ -8,7 +8,7 @@ Accuracy rows of all files are paired by problem (every configuration ran on the
    McNemar's exact sign test, how often its extracted answer is the full cache's, loops, answer length, eviction
    rounds per answer (mean and median) and the share of answer tokens still held when the answer ended;
 2. Random Attention's spread: best minus worst accuracy across the policies run both ways, protected and not, and
-   the interval of the difference;
+   the interval of the difference; each such policy protected against itself not protected;
 3. random against each scorer, both protected; 4. VASE against its variants at the same setting.
 With --partial, the sweeps' progress files beside each file are read too (rows marked with their n so far), and
 pairs use the problems both rows have.
@@ -109,6 +109,9 @@ def main():
     print("\n".join(table(rows, full)))
     print(f"\nn = {n} problems: no difference below {min_detectable(n):.2f} can reach p < 0.05.\n")
     print("\n".join(spread(rows)))
+    print()
+    print("\n".join(pairs(rows, "protected - not protected", lambda a, b: a["policy"] == b["policy"]
+                          and a["protect"] is True and b["protect"] is False)))
     print()
     print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: a["policy"] in SCORERS
                           and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
