@@ -2526,5 +2526,6 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     assert "protected 0.10, not protected 0.30; difference -0.20" in p.stdout
     assert "| snapkv, protected - random, protected | -0.10 |" in p.stdout and "| 0 / 1 | 1 |" in p.stdout
     assert "| random, protected - random, not protected | +0.20 | [" in p.stdout
+    assert "| vase, protected (n = 4 so far) - snapkv, protected | -0.25 |" in p.stdout  # the 4 problems both hold
     p = run_py(["tools/claims.py", str(tmp_path / "a.progress-0.json")])
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "no full-cache accuracy row" in p.stderr

@@ -9,7 +9,8 @@ Accuracy rows of all files are paired by problem (every configuration ran on the
    rounds per answer (mean and median) and the share of answer tokens still held when the answer ended;
 2. Random Attention's spread: best minus worst accuracy across the policies run both ways, protected and not, and
    the interval of the difference; each such policy protected against itself not protected;
-3. random against each scorer, both protected; 4. VASE against its variants at the same setting.
+3. random against each scorer, both protected; 4. VASE against its variants and snapkv (the attention top-k it
+   samples from) at the same setting.
 With --partial, the sweeps' progress files beside each file are read too (rows marked with their n so far), and
 pairs use the problems both rows have.
 """
@@ -61,7 +62,8 @@ def compare(r: dict, base: dict) -> str:
 def table(rows: list[dict], full: dict) -> list[str]:
     preds = {p["i"]: p["pred"] for p in full["per_problem"]}
     out = ["| configuration | K | accuracy | Δ vs full | 95 % interval | discordant | sign test p | same answer as "
-           "full | answered | loops | mean tokens | evictions (mean / median) | answer tokens kept |", "|---" * 13 + "|"]
+           "full | answered | loops | mean tokens | evictions (mean / median) | answer tokens kept |",
+           "|---" * 13 + "|"]
     for r in rows:
         pp = r["per_problem"]
         mean = lambda f: sum(p[f] for p in pp) / len(pp)
@@ -116,8 +118,9 @@ def main():
     print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: a["policy"] in SCORERS
                           and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
     print()
-    print("\n".join(pairs(rows, "VASE - its variants", lambda a, b: a["policy"] == "vase" and
-                          b["policy"].startswith("vase-") and a["protect"] == b["protect"])))
+    vase_vs = lambda a, b: a["policy"] == "vase" and a["protect"] == b["protect"] and (
+        b["policy"].startswith("vase-") or b["policy"] == "snapkv")
+    print("\n".join(pairs(rows, "VASE - its variants and attention top-k", vase_vs)))
 
 
 if __name__ == "__main__":
