@@ -7,7 +7,7 @@ Accuracy rows of all files are paired by problem (every configuration ran on the
 1. each configuration against the full cache: accuracy, the difference with its paired bootstrap 95 % interval and
    McNemar's exact sign test, how often its extracted answer is the full cache's, loops, answer length, eviction
    rounds per answer (mean and median) and the share of answer tokens still held when the answer ended;
-2. Random Attention's spread: best minus worst accuracy across the policies run both ways, protected and not, and
+2. Random Attention's spread: best minus worst accuracy across the policies run (and finished) both ways, and
    the interval of the difference; each such policy protected against itself not protected;
 3. random against each scorer, both protected; 4. VASE against its variants and snapkv (the attention top-k it
    samples from) at the same setting.
@@ -76,8 +76,9 @@ def table(rows: list[dict], full: dict) -> list[str]:
 
 
 def spread(rows: list[dict]) -> list[str]:
-    """Policies run both protected and not: the spread of their accuracies each way, on the problems all rows hold."""
-    by = {(r["policy"], r["protect"]): r for r in rows}
+    """Policies run both protected and not, both finished: the spread of their accuracies each way, on the problems all
+    their rows hold."""
+    by = {(r["policy"], r["protect"]): r for r in rows if not r.get("partial")}
     both = [p for p, s in by if s is True and (p, False) in by]
     if len(both) < 2:
         return []
