@@ -19,9 +19,8 @@ F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 1
 ) &
 ( # lane B: the 1.5B baselines, claim 1 without protection, claim 3's larger budgets, the other policies
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q15.json
-  python eval.py accuracy --policies snapkv,random $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
+  python eval.py accuracy --policies snapkv,random,vase $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q15.json
-  python eval.py accuracy --policies vase $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py fidelity --policies snapkv,criticalkv,vase,random --budgets 256,384 $F
   python eval.py fidelity --policies all --budgets 192 $F   # the policies no claim names: h2o, streaming, ...
 ) &
