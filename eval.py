@@ -28,8 +28,8 @@ from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
 from probes import build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
-from results import (Progress, check_writable, merge, model_key, read_json, read_rows, result_file, run_jobs, same,
-                     shard_arg, write_json)
+from results import (Progress, check_writable, merge, model_key, read_json, read_rows, result_file, run_jobs,
+                     shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, GRADING, extract_answer, file_hash, is_correct, is_loop, load_data
 from traces import SYSTEM, conversation_plans, pack_conversations, replay, targets, turn_ids
@@ -363,7 +363,7 @@ def main(argv=None):
                 args.min_tokens = args.gap + 256  # the conversations run on past the question's place
             jobs = make_jobs(args)
             held = read_rows(Path(args.out)) if args.out and not args.shard else []
-            if not all(any(same(j, r) for r in held) for j in jobs):  # a finished sweep only reports: no model load
+            if todo(jobs, held):  # a finished sweep only reports its rows: no model load
                 check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
         rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)

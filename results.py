@@ -246,6 +246,11 @@ def read_shard(path: Path) -> dict:
     return s
 
 
+def todo(jobs: list[dict], rows: list[dict]) -> list[dict]:
+    """The jobs that no row holds yet."""
+    return [j for j in jobs if not any(same(j, r) for r in rows)]
+
+
 def run_jobs(jobs: list[dict], measure, out: str | None = None, shard: tuple[int, int] | None = None,
              cost=lambda job: 1.0, desc: str = "jobs") -> list[dict]:
     """Measure every job of this shard (all, without --shard) that neither --out nor the shard's file holds yet, and
@@ -268,7 +273,7 @@ def run_jobs(jobs: list[dict], measure, out: str | None = None, shard: tuple[int
         write_json(path, {**head, "rows": saved})  # at once, even for an empty slice: merge sees that it ran
         rows += saved
     failed = []
-    for job in tqdm([j for j in mine if not any(same(j, r) for r in rows)], desc=desc):
+    for job in tqdm(todo(mine, rows), desc=desc):
         if not shard and path and any(same(job, r) for r in read_rows(path)):
             continue  # another sweep on the same --out finished it meanwhile
         row = {**job, **measure(job)}

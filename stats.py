@@ -62,23 +62,29 @@ def outcomes(row: dict) -> dict[int, bool]:
     return {o["i"]: o["correct"] for o in row.get("per_problem", [])}
 
 
+def paired_outcomes(r: dict, base: dict) -> tuple[float, float, float, int, int, float, int] | None:
+    """r against base on the problems both hold: (r's accuracy, Δ, its bootstrap interval lo, hi, the discordant
+    problems n10 (r right only), n01 (base right only), the sign test's p); None when they share no problem."""
+    got, ref = outcomes(r), outcomes(base)
+    common = sorted(set(got) & set(ref))
+    if not common:
+        return None
+    a, b = [got[i] for i in common], [ref[i] for i in common]
+    return sum(a) / len(a), *bootstrap_diff(a, b), *sign_test(a, b)
+
+
 def paired_accuracy(rows: list[dict], base: dict) -> str:
     """Each accuracy row against `base` on the problems both answered: the difference, its paired bootstrap 95 %
     interval, the discordant problems (row right only / base right only) and the exact sign test's p. Markdown."""
-    ref = outcomes(base)
     lines = ["| policy | K | protect | accuracy | Δ vs " + base["policy"] + " | 95 % interval | discordant | p |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        got = outcomes(r)
-        common = sorted(set(got) & set(ref))
-        if r is base or not common:
-            continue
-        a, b = [got[i] for i in common], [ref[i] for i in common]
-        d, lo, hi = bootstrap_diff(a, b)
-        n10, n01, p = sign_test(a, b)
-        lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['protect']} | {sum(a) / len(a):.3f} | {d:+.3f} | "
-                     f"[{lo:+.3f}, {hi:+.3f}] | {n10} / {n01} | {p:.3g} |")
-    n = len(ref)
+        got = None if r is base else paired_outcomes(r, base)
+        if got:
+            acc, d, lo, hi, n10, n01, p = got
+            lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['protect']} | {acc:.3f} | {d:+.3f} | "
+                         f"[{lo:+.3f}, {hi:+.3f}] | {n10} / {n01} | {p:.3g} |")
+    n = len(outcomes(base))
     return "\n".join(lines + [f"n = {n} problems: no difference below {min_detectable(n):.3f} can reach p < 0.05"])
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from stats import bootstrap_diff, min_detectable, outcomes, sign_test, spread_diff  # noqa: E402
+from stats import min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
 
@@ -51,11 +51,7 @@ def name(r: dict) -> str:
 
 def compare(r: dict, base: dict) -> str:
     """Δ (r - base) on the problems both hold, its interval, discordant problems (r right / base right), p."""
-    got, ref = outcomes(r), outcomes(base)
-    common = sorted(set(got) & set(ref))
-    a, b = [got[i] for i in common], [ref[i] for i in common]
-    d, lo, hi = bootstrap_diff(a, b)
-    n10, n01, p = sign_test(a, b)
+    _, d, lo, hi, n10, n01, p = paired_outcomes(r, base)
     return f"{d:+.2f} | [{lo:+.2f}, {hi:+.2f}] | {n10} / {n01} | {p:.2g}"
 
 
