@@ -33,13 +33,12 @@ from tqdm import tqdm
 from cache import KVCache
 from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
 from model import ModelError
-from policies import POLICIES, Policy, ScoreCtx
+from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
 DEFAULT_PROMPT = ("Describe the water cycle step by step, from evaporation to precipitation. "
                   "What is the main source of heat that drives it?")
 DEFAULT_ANSWER = "sun"  # the full cache's greedy answer ends with it (test_all checks), after ~460 tokens
 DEFAULT_BUDGET = 192  # for evicting policies: fits the default protected prompt, and the default answer evicts
-N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected
 
 
 # -----------------------------------------------------------------------------

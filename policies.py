@@ -22,6 +22,7 @@ from torch import Tensor
 from kernels import linear, window_attn_mass
 
 BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for protected slots
+N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected (generate.make_run)
 
 
 @dataclass
@@ -189,7 +190,7 @@ def candidate_attention(ctx: ScoreCtx) -> Tensor:
 
 def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate_attention) -> Tensor:
     """VASE-AttnV (https://arxiv.org/abs/2606.03928): reserve the N_v = K/4 slots whose values have the widest range
-    max(v) - min(v), the protected sinks counted inside the reserve (the authors give them an infinite range); fill
+    max(v) - min(v), the 4 sinks counted inside the reserve (the authors give them an infinite range); fill
     the rest by drawing without replacement, probability proportional to the window's attention normalised over the
     candidates only (temperature 1). The ablations are this function with one knob turned: sample=False fills by
     top-k (vase-topk), reserve=0 has no reserve (vase-noreserve), reserve=-1 with SnapKV's vote evicts the
@@ -200,8 +201,12 @@ def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate
     if not reserve:
         return s
     v = ctx.values.float()
-    # one N_v per row: the sinks (or a protected prompt) fill part of the reserve
-    n_v = (ctx.budget // 4 - ctx.protected[:, 0, :n].sum(-1)).tolist()
+    # one N_v per row. The authors count the 4 sinks inside the reserve; a protected prompt (Random Attention's
+    # setting, not VASE's) is kept by protection, so only N_SINK of its tokens count: counting all of them would
+    # empty the reserve whenever the prompt is longer than K/4. A reserve to keep is at most the slots left
+    kept = ctx.protected[:, 0, :n].sum(-1).tolist()  # prompt or sinks, per row
+    n_v = [ctx.budget // 4 - min(p, N_SINK) for p in kept]
+    n_v = [min(x, ctx.budget - ctx.buffer - p) for x, p in zip(n_v, kept)] if reserve > 0 else n_v
     widest = top_candidates(v.amax(-1) - v.amin(-1), ctx.protected, n_v)
     return s.masked_fill(widest, BIG * reserve)
 

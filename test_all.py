@@ -738,7 +738,7 @@ def test_vase_rows_with_their_own_reserve_score_as_alone():
     ctx = ctx_for(S=60, B=2, budget=40, buffer=4, prompt=0)
     ctx.values = ctx.values.mul(2).round()  # integer values: many equal ranges
     ctx.protected = ctx.protected.clone()
-    ctx.protected[0, :, :6], ctx.protected[1, :, :2] = True, True  # N_v = 10 - 6 and 10 - 2
+    ctx.protected[0, :, :6], ctx.protected[1, :, :2] = True, True  # N_v = 10 - 4 and 10 - 2
     together = P.vase(ctx, sample=False)
     for b in range(2):
         alone = dataclasses.replace(ctx, **{k: getattr(ctx, k)[b : b + 1] for k in
@@ -777,6 +777,22 @@ def test_vase_reserve_holds_the_sinks():
     for h in range(2):
         reserved = (s[0, h] == P.BIG).nonzero()[:, 0]
         assert sorted(reserved.tolist()) == sorted(rng[0, h].topk(32 // 4 - 4).indices.tolist())
+
+
+def test_vase_reserve_with_a_protected_prompt():
+    """With a protected prompt longer than K/4 (12 of K = 32) only 4 of it count inside the reserve, as the sinks
+    would, so 4 widest-range values are still reserved (vase) or evicted first (vase-adversary, which then differs
+    from snapkv). With 22 protected, 2 slots are left beside the buffer: vase reserves 2, the adversary still
+    evicts 4 first."""
+    for prompt, keep in ((12, 4), (22, 2)):
+        mk = lambda: ctx_for(S=40, budget=32, buffer=8, prompt=prompt, rnd=5)
+        ctx = mk()
+        rng = (ctx.values.amax(-1) - ctx.values.amin(-1)).masked_fill(ctx.protected, -1)
+        vase, adversary = P.POLICIES["vase-topk"].score(mk()), P.POLICIES["vase-adversary"].score(mk())
+        for h in range(2):
+            widest = rng[0, h].topk(4).indices.tolist()
+            assert sorted((vase[0, h] == P.BIG).nonzero()[:, 0].tolist()) == sorted(widest[:keep])
+            assert sorted((adversary[0, h] == -P.BIG).nonzero()[:, 0].tolist()) == sorted(widest)
 
 
 def test_vase_weights_over_candidates_only():
@@ -2529,3 +2545,28 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     assert "| vase, protected (n = 4 so far) - snapkv, protected | -0.25 |" in p.stdout  # the 4 problems both hold
     p = run_py(["tools/claims.py", str(tmp_path / "a.progress-0.json")])
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "no full-cache accuracy row" in p.stderr
+
+
+def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
+    """tools/claims.py on hand-made fidelity, perturbation and head-probe rows (no accuracy row needed): vase's
+    per-trace KL against snapkv's at the same budget (0.1, 0.2, 0.5 against 0.2, 0.3, 0.4: -0.033, lower in 2 of 3),
+    the perturbation shares, recall against heads kept."""
+    fid = lambda p, k, kl: {"task": "fidelity", "policy": p, "budget": k, "protect": p == "random", "kl": sum(kl) / 3,
+                            "top1": 0.9, "nll_gap": 0.01, "tokens": 300, "kl_by_trace": kl}
+    rows = [fid("full", None, [0, 0, 0]), fid("snapkv", 64, [0.2, 0.3, 0.4]), fid("vase", 64, [0.1, 0.2, 0.5]),
+            fid("vase", 128, [0.1, 0.1, 0.1]),
+            {"task": "perturbation", "policy": "criticalkv", "budget": 64, "protect": False, "l1_window": 0.5,
+             "better_window": 0.75, "l1_next": None, "better_next": None}]
+    rows += [{"task": "probe", "policy": "full", "budget": None, "protect": None, "heads": k, "recall": r,
+              "logprob": -5.0 + k, "recall_by_probe": [r, r], "gap_tokens": 1500.0} for k, r in ((2, 1.0), (0, 0.0))]
+    (tmp_path / "f.json").write_text(json.dumps(rows))
+    p = run_py(["tools/claims.py", str(tmp_path / "f.json")])
+    assert p.returncode == 0, p.stderr
+    v = "| vase, not protected |"
+    assert v + " 64 | 0.267 | 0.900 | +0.010 | -0.033 | [" in p.stdout and "| 2 / 3 |" in p.stdout
+    assert v + " 128 | 0.100 | 0.900 | +0.010 | – | – | – |" in p.stdout  # no snapkv at 128 to pair with
+    assert "| full |" not in p.stdout
+    assert "| criticalkv, not protected | 64 | 0.5000 | 75% | – | – |" in p.stdout
+    lines = p.stdout.splitlines()
+    assert lines.index("| 0 | 0% | -5.00 | 0 / 2 |") < lines.index("| 2 | 100% | -3.00 | 2 / 2 |")
+    assert "question about 1500 tokens after the fact" in p.stdout

@@ -1,7 +1,8 @@
 """
 The claims study's tables (issue 25), from its result files: every number in RESULTS.md's claims section comes from
 
-    python tools/claims.py results/study/claims_q15.json results/study/claims_q15_noprotect.json
+    python tools/claims.py results/study/claims_q15.json results/study/claims_q15_noprotect.json \
+        results/study/fidelity_q15.json results/study/heads_q15.json
 
 Accuracy rows of all files are paired by problem (every configuration ran on the same problems):
 1. each configuration against the full cache: accuracy, the difference with its paired bootstrap 95 % interval and
@@ -11,6 +12,10 @@ Accuracy rows of all files are paired by problem (every configuration ran on the
    the interval of the difference; each such policy protected against itself not protected;
 3. random against each scorer, both protected; 4. VASE against its variants and snapkv (the attention top-k it
    samples from) at the same setting.
+5. fidelity (claims 3 and 5): each policy's teacher-forced KL, top-1 agreement and NLL gap per budget, and its
+   per-trace KL against snapkv's at the same budget with the paired bootstrap interval over traces; CriticalKV's
+   output perturbation: the mean ||o - o_hat||_1 and the share of (layer, head) pairs below snapkv's;
+6. the head-redundancy probe (claim 4): recall and the answer's log-probability against the KV heads kept.
 With --partial, the sweeps' progress files beside each file are read too (rows marked with their n so far), and
 pairs use the problems both rows have.
 """
@@ -23,9 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from stats import min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
+from stats import bootstrap_diff, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    return [r for p in paths for r in json.loads(Path(p).read_text()) if isinstance(r, dict)]
 
 
 def rows_of(paths: list[str], partial: bool) -> list[dict]:
@@ -92,18 +101,63 @@ def pairs(rows: list[dict], title: str, want) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def fidelity(rows: list[dict]) -> list[str]:
+    """Claims 3 and 5: fidelity rows by budget, each against snapkv's at its budget on the same traces."""
+    fid = sorted((r for r in rows if r.get("task") == "fidelity" and r["policy"] != "full"),
+                 key=lambda r: (r["budget"], ORDER.get(r["policy"], 99), r["policy"]))
+    if not fid:
+        return []
+    snap = {r["budget"]: r["kl_by_trace"] for r in fid if r["policy"] == "snapkv"}
+    out = ["| policy | K | KL (nats / token) | top-1 agreement | NLL gap | Δ KL vs snapkv | 95 % interval | traces "
+           "below snapkv |", "|---" * 8 + "|"]
+    for r in fid:
+        vs, b = "– | – | –", snap.get(r["budget"])
+        if r["policy"] != "snapkv" and b and len(b) == len(r["kl_by_trace"]):
+            d, lo, hi = bootstrap_diff(r["kl_by_trace"], b)
+            vs = f"{d:+.3f} | [{lo:+.3f}, {hi:+.3f}] | {sum(x < y for x, y in zip(r['kl_by_trace'], b))} / {len(b)}"
+        out.append(f"| {name(r)} | {r['budget']} | {r['kl']:.3f} | {r['top1']:.3f} | {r['nll_gap']:+.3f} | {vs} |")
+    n = {len(r["kl_by_trace"]) for r in fid}
+    return out + [f"\n{'/'.join(map(str, n))} traces, {fid[0]['tokens']} answer tokens scored per policy."]
+
+
+def perturbation(rows: list[dict]) -> list[str]:
+    per = [r for r in rows if r.get("task") == "perturbation"]
+    out = ["| policy | K | ‖o − ô‖₁ over the window | heads below snapkv | ‖o − ô‖₁ up to the next round | heads below "
+           "snapkv |", "|---" * 6 + "|"]
+    f = lambda v, pct=False: "–" if v is None else f"{v:.0%}" if pct else f"{v:.4f}"
+    out += [f"| {name(r)} | {r['budget']} | {f(r['l1_window'])} | {f(r['better_window'], True)} | {f(r['l1_next'])} | "
+            f"{f(r['better_next'], True)} |" for r in per]
+    return out if per else []
+
+
+def heads(rows: list[dict]) -> list[str]:
+    """Claim 4: the planted fact kept in k of each layer's KV heads."""
+    got = sorted((r for r in rows if r.get("task") == "probe" and r.get("heads") is not None), key=lambda r: r["heads"])
+    out = ["| KV heads that keep the fact | recall | answer log-probability | probes recalled |", "|---|---|---|---|"]
+    out += [f"| {r['heads']} | {r['recall']:.0%} | {r['logprob']:.2f} | "
+            f"{sum(x == 1 for x in r['recall_by_probe'])} / {len(r['recall_by_probe'])} |" for r in got]
+    return out + [f"\n{len(got[0]['recall_by_probe'])} probes, the question about {got[0]['gap_tokens']:.0f} tokens "
+                  "after the fact."] if got else []
+
+
+ORDER = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epikv", "vase", "vase-topk",
+                                    "vase-noreserve", "vase-adversary", "random"))}
+
+
 def main():
     ap = argparse.ArgumentParser(description="Print the claims study's tables from its result files.")
     ap.add_argument("files", nargs="+")
     ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")
     args = ap.parse_args()
+    for lines in (fidelity(every := read_rows(args.files)), perturbation(every), heads(every)):
+        print("\n".join(lines + [""]) if lines else "", end="")
     rows = rows_of(args.files, args.partial)
     full = next((r for r in rows if r["policy"] == "full"), None)
-    if full is None:
+    if full is None and rows:
         sys.exit("claims.py: no full-cache accuracy row in these files: the table is paired against it")
-    order = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epikv", "vase", "vase-topk",
-                                          "vase-noreserve", "vase-adversary", "random"))}
-    rows.sort(key=lambda r: (r["policy"] != "full", r["protect"] is False, order.get(r["policy"], 99)))
+    if not rows:
+        return
+    rows.sort(key=lambda r: (r["policy"] != "full", r["protect"] is False, ORDER.get(r["policy"], 99)))
     n = len(full["per_problem"])
     print("\n".join(table(rows, full)))
     print(f"\nn = {n} problems: no difference below {min_detectable(n):.2f} can reach p < 0.05.\n")
