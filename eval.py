@@ -108,7 +108,10 @@ def fidelity(args, job: dict, lab: dict) -> dict:
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
         p = full_logprobs(args, lab, i, tr, at)
-        q = replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
+        if job["policy"] == "full":  # the reference itself: KL 0, no second replay
+            q = p
+        else:
+            q = replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
         by_trace.append((p.exp() * (p - q)).sum().item())
         kl += by_trace[-1]
         by_trace[-1] /= len(at)
