@@ -14,7 +14,7 @@ F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 1
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q05.json
   python eval.py accuracy --policies snapkv,vase-noreserve,random $S --protect-prompt --out results/study/claims_q15.json
   python eval.py probe --probe heads --model qwen2.5-coder-1.5b --n 8 --gap 1500 --data data/gsm8k_test.jsonl --out results/study/heads_q15.json
-  python eval.py fidelity --policies snapkv,rkv,criticalkv,epikv,vase,vase-topk,vase-noreserve,vase-adversary,random --budgets 192 $F
+  python eval.py fidelity --policies snapkv,criticalkv,vase,random,epikv,vase-adversary,vase-topk,vase-noreserve,rkv --budgets 192 $F
   python eval.py perturbation --policies snapkv,criticalkv --budgets 192 $F
   python eval.py accuracy --policies vase-adversary $S --protect-prompt --out results/study/claims_q15.json
   python eval.py fidelity --policies all --budgets 192 $F   # the policies no claim names: h2o, streaming, ...
