@@ -28,7 +28,7 @@ from cli import Parser, UsageError, add_device_args, int_list, load, output_fail
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
-from probes import build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
+from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
 from results import (Progress, check_writable, merge, model_key, read_json, read_rows, result_file, run_jobs,
                      shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
@@ -243,7 +243,7 @@ def make_jobs(args) -> list[dict]:
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd == "probe" and args.probe == "heads":  # the full cache, the fact kept in k of the KV heads
         jobs = [{"policy": "full", "budget": None, "protect": None, "heads": k} for k in args.heads]
-        extra["min_tokens"] = args.min_tokens
+        extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME}
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed

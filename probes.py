@@ -57,21 +57,26 @@ def build_probe(tok, rows: list[dict], i: int, seed: int, kind: str, where: str,
 # -----------------------------------------------------------------------------
 # Random Attention's head-redundancy probe: a planted fact kept in only some KV heads
 
+FACT_NAME = "zorb"  # the planted variable (in the rows' key): a name the traces never use
+
 
 def plant_fact(tok, trace: dict, i: int, seed: int, gap: int) -> dict:
-    """A probe built from one of the model's own full-cache conversations (the fidelity traces): 'Let x = NNNN.'
-    is planted in its first answer, the conversation runs on for about `gap` tokens, then a user turn asks for x
-    and the assistant's turn opens with 'The value of x is'. Returns ids, the fact's span and the answer's span."""
+    """A probe built from one of the model's own full-cache conversations (the fidelity traces): 'Let zorb = NNNN.'
+    is planted in its first answer, the conversation runs on for about `gap` tokens, then a user turn asks for zorb
+    and the assistant's turn opens with 'The value of zorb is'. Returns ids, the fact's span and the answer's span.
+    note: the name is one no solution uses: with x, GSM8K answers define x themselves ('Let x be Jerry's age'), and
+    the 1.5B's full cache answered at chance (log-probability -9.3 for 4 digits, 4 ln 10 = 9.2)."""
     rng = random.Random(f"{seed}:{i}:heads")
     secret = "".join(rng.choice("0123456789") for _ in range(4))
     a, b = trace["spans"][0]
     at = a + min(64, (b - a) // 2)  # inside the first answer, after some of its reasoning
-    fact = tok.encode(f"\n\nLet x = {secret}.\n\n")
+    fact = tok.encode(f"\n\nLet {FACT_NAME} = {secret}.\n\n")
     body = trace["ids"][:at] + fact + trace["ids"][at:]
     end = min(len(body), at + len(fact) + gap)  # cut the conversation about `gap` tokens after the fact
     msgs = [{"role": "user", "content": "Q"}]  # the question turn, as the template writes it after an answer
-    turns = msgs + [{"role": "assistant", "content": "X"}, {"role": "user", "content": "What is the value of x?"}]
-    prefix = "The value of x is"
+    turns = msgs + [{"role": "assistant", "content": "X"},
+                    {"role": "user", "content": f"What is the value of {FACT_NAME}?"}]
+    prefix = f"The value of {FACT_NAME} is"
     tail = turn_ids(tok, turns, tok.chat(msgs) + "X")[0] + tok.encode(prefix)
     answer = tok.encode(prefix + " " + secret)[len(tok.encode(prefix)) :]
     ids = body[:end] + tail + answer
