@@ -166,11 +166,12 @@ def main():
     print("\n".join(pairs(rows, "protected - not protected", lambda a, b: a["policy"] == b["policy"]
                           and a["protect"] is True and b["protect"] is False)))
     print()
-    print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: a["policy"] in SCORERS
-                          and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
+    print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: (a["policy"] in SCORERS
+                          or a["policy"].startswith("vase")) and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
     print()
-    vase_vs = lambda a, b: a["policy"] == "vase" and a["protect"] == b["protect"] and (
-        b["policy"].startswith("vase-") or b["policy"] == "snapkv")
+    vase_vs = lambda a, b: a["protect"] == b["protect"] and (
+        (a["policy"] == "vase" and b["policy"].startswith("vase-")) or
+        (a["policy"].startswith("vase") and b["policy"] == "snapkv"))
     print("\n".join(pairs(rows, "VASE - its variants and attention top-k", vase_vs)))
 
 
