@@ -149,8 +149,12 @@ def main():
     ap.add_argument("files", nargs="+")
     ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")
     args = ap.parse_args()
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        sys.exit(f"claims.py: no file {missing[0]}: give the result files eval.py wrote (--out)")
     for lines in (fidelity(every := read_rows(args.files)), perturbation(every), heads(every)):
-        print("\n".join(lines + [""]) if lines else "", end="")
+        if lines:
+            print("\n".join(lines) + "\n")
     rows = rows_of(args.files, args.partial)
     full = next((r for r in rows if r["policy"] == "full"), None)
     if full is None and rows:
