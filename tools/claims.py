@@ -28,10 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from results import read_rows  # noqa: E402
 from stats import bootstrap_diff, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    return [r for p in paths for r in json.loads(Path(p).read_text()) if isinstance(r, dict)]
 
 
 def rows_of(paths: list[str], partial: bool) -> list[dict]:
@@ -149,7 +152,7 @@ def main():
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         sys.exit(f"claims.py: no file {missing[0]}: give the result files eval.py wrote (--out)")
-    for lines in (fidelity(every := [r for f in args.files for r in read_rows(Path(f))]), perturbation(every), heads(every)):
+    for lines in (fidelity(every := read_rows(args.files)), perturbation(every), heads(every)):
         if lines:
             print("\n".join(lines) + "\n")
     rows = rows_of(args.files, args.partial)
