@@ -90,9 +90,11 @@ def check_map(m: dict, where: Path) -> dict:
 
 def labels(rows: list[dict], fields=("model", "data", "n", "max_new_tokens", "buffer", "protect")) -> list[str]:
     """A line's name: the policy, plus any setting in which that policy's rows differ, e.g. 'random protect=True'
-    beside 'random protect=False'."""
-    vary = {p: [k for k in fields if len({json.dumps(r.get(k)) for r in rows if r["policy"] == p}) > 1]
-            for p in {r["policy"] for r in rows}}
+    beside 'random protect=False'; protect is named on every line once any two rows differ in it."""
+    differ = lambda rs, k: len({json.dumps(r.get(k)) for r in rs}) > 1
+    every = differ([r for r in rows if r["policy"] != "full"], "protect")
+    vary = {p: [k for k in fields if differ([r for r in rows if r["policy"] == p], k)
+                or k == "protect" and every and p != "full"] for p in {r["policy"] for r in rows}}
     return [" ".join([r["policy"]] + [f"{k}={r.get(k)}" for k in vary[r["policy"]]]) for r in rows]
 
 
@@ -183,6 +185,12 @@ def draw(paths: list[str], out: str) -> list[Path]:
         series = lines[task]
         if not series:
             continue
+        full = [r for r in rows if r.get("task") == task and r["policy"] == "full"]
+        budgets = sorted({p[0] for pts in series.values() for p in pts})
+        if len(budgets) == 1:  # one budget: a row per line, sorted by value, rather than points stacked on one K
+            save(forest(plt, task, series, looks, ylabel, budgets[0], full[-1]["accuracy"] if task == "accuracy"
+                        and full else 0.0), f"{task}.png")
+            continue
         fig, ax = plt.subplots(figsize=(8.5, 4.2))
         bars = False
         for name, pts in series.items():
@@ -190,10 +198,8 @@ def draw(paths: list[str], out: str) -> list[Path]:
             err = None if None in lo else [[a - b for a, b in zip(v, lo)], [b - a for a, b in zip(v, hi)]]
             bars |= err is not None
             ax.errorbar(k, v, yerr=err, ms=4, capsize=3, label=name, **looks[name])
-        full = [r for r in rows if r.get("task") == task and r["policy"] == "full"]
         if task == "accuracy" and full:
             ax.axhline(full[-1]["accuracy"], color="black", ls="--", lw=1, label="full cache")
-        budgets = sorted({p[0] for pts in series.values() for p in pts})
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget K (cache slots right after an eviction)")
@@ -244,3 +250,21 @@ def draw(paths: list[str], out: str) -> list[Path]:
         band.set_title(f"{m['policy']} ({K}): what layer {m['layer']} holds after {n} tokens", fontsize=9)
         save(fig, f"kept-{m['policy']}-layer{m['layer']}.png")
     return written
+
+
+def forest(plt, task: str, series: dict[str, list[tuple]], looks: dict, xlabel: str, K: int, full: float):
+    """One budget's lines as rows, best at the top, each point with its paired 95 % interval (when the rows hold
+    per-item results) and a dashed line at the full cache (its accuracy, or KL 0)."""
+    pts = sorted(((name, *p[0][1:]) for name, p in series.items()), key=lambda t: t[1], reverse=task == "accuracy")
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.32 * len(pts)))
+    for y, (name, v, lo, hi) in enumerate(pts):
+        err = None if lo is None else [[v - lo], [hi - v]]
+        ax.errorbar([v], [y], xerr=err, capsize=3, ms=5, ls="none", **looks[name])
+    ax.axvline(full, color="black", ls="--", lw=1)
+    ax.set_yticks(range(len(pts)), [p[0] for p in pts], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel + ("  (dashed: the full cache)" if task == "accuracy" else ""))
+    bars = "bars = paired bootstrap 95 % interval" if any(p[2] is not None for p in pts) else "no per-item results"
+    ax.set_title(f"{task} against the full cache at K = {K}: {bars}", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    return fig

@@ -2452,6 +2452,28 @@ def test_plot_series_are_the_paired_intervals():
     assert plot.kept_image(kept, columns=5) == ([[1.0] * 5, [0.5, 0.0, 0.0, 0.0, 1.0]], 2)  # the last column: 1 pos.
     both = [dict(r, protect=p) for r in rows[1:2] for p in (True, False)]
     assert plot.labels(both) == ["snapkv protect=True", "snapkv protect=False"]
+    mixed = [rows[0], rows[1], dict(rows[3], protect=True)]  # protect differs between policies: named on each line
+    assert plot.labels(mixed) == ["full", "snapkv protect=False", "random protect=True"]
+
+
+def test_plot_one_budget_is_a_row_per_line(tmp_path, capsys):
+    """Rows at a single budget (a claims sweep) draw one row per line, sorted by value, not points stacked on one K."""
+    import plot
+    from PIL import Image
+
+    rows = [r for r in plot_rows() if r["task"] != "bench" and r["budget"] in (None, 64)]
+    f = tmp_path / "rows.json"
+    f.write_text(json.dumps(rows))
+    capsys.readouterr()
+    ev.main(["plot", str(f), "--out", str(tmp_path / "figs")])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "figs" / n) for n in ("fidelity.png", "accuracy.png")]
+    with Image.open(tmp_path / "figs" / "fidelity.png") as im:
+        assert im.height < im.width / 2  # two lines: a short figure of two rows
+    plt = plot.pyplot()
+    series = plot.budget_series(rows, "fidelity")
+    fig = plot.forest(plt, "fidelity", series, plot.style(list(series), plt), "KL", 64, 0.0)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["snapkv", "random"]  # the lower KL first
+    plt.close(fig)
 
 
 def test_kept_json_then_plot_writes_pngs(tiny_lab, tmp_path, capsys):
