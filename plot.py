@@ -3,7 +3,8 @@ Figures of eval.py's result files, for people who would rather look than read (`
 
 - fidelity.png: KL(full || policy) against the budget K, one line per policy; accuracy.png likewise for accuracy.
   Error bars are the paired bootstrap 95 % interval against the full cache on the same items (stats.bootstrap_diff):
-  over traces for KL (the full cache's KL is 0 on every trace), over problems for accuracy.
+  over traces for KL (the full cache's KL is 0 on every trace), over problems for accuracy. Rows at a single budget
+  (a claims sweep) draw a row per line instead, sorted, against a dashed full cache.
 - bench.png: eviction cost (ms per round) and decode cost (ms per step) against the context, one line per policy.
 - kept-POLICY-layerL.png: what one layer kept (`generate.py --kept-json`), KV heads x positions, shaded by the share
   of each column's positions still held, with the prompt, the trace and the recent buffer marked.

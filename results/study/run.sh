@@ -18,12 +18,14 @@ F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 1
   python eval.py accuracy --policies vase-adversary $S --protect-prompt --out results/study/claims_q15.json
   python eval.py fidelity --policies all --budgets 192 $F   # the policies no claim names: h2o, streaming, ...
 ) &
-( # lane B: the 1.5B baselines, claim 1 without protection, claim 3's larger budgets, claim 4, protected vase, MATH-500
+( # lane B: the 1.5B baselines, claim 1 without protection, claim 3's larger budgets, claim 4, protected vase, MATH-500,
+    # the VASE adversary at its paper's setting
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q15.json
   python eval.py accuracy --policies snapkv,random,vase $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py fidelity --policies snapkv,criticalkv,vase,random --budgets 256,384 $F
   python eval.py probe --probe heads --model qwen2.5-coder-1.5b --n 8 --gap 1500 --data data/gsm8k_test.jsonl --out results/study/heads_q15.json
   python eval.py accuracy --policies vase $S --protect-prompt --out results/study/claims_q15.json
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q15.json
+  python eval.py accuracy --policies vase-adversary $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
 ) &
 wait
