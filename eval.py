@@ -32,7 +32,7 @@ from probes import FACT_NAME, build_probe, head_perturbation, head_probe, pertur
 from results import (Progress, check_writable, merge, model_key, read_json, read_rows, result_file, run_jobs,
                      shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
-from tasks import DATA, GRADING, extract_answer, file_hash, is_correct, is_loop, load_data
+from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
 from traces import SYSTEM, conversation_plans, pack_conversations, replay, targets, turn_ids
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -246,8 +246,8 @@ def make_jobs(args) -> list[dict]:
         extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME}
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
-    if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed
-        extra = {"grading": GRADING}
+    if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
+        extra = {"grading": grading(load_data(args.data))}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
               "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
     # the full cache never evicts, so its row is the same for every --buffer: one reference row serves them all

@@ -12,7 +12,14 @@ from pathlib import Path
 from generate import UsageError
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
-GRADING = 2  # in every accuracy row's key; raise it when what counts as correct changes (2: cut-off answers need a box)
+# in every accuracy row's key, per kind of answer; raise one when what counts as correct for it changes (2: cut-off
+# answers need a box; MATH 3: \sqrt2 = \sqrt{2}, 'x = 5' = '5'). tools/regrade.py regrades old rows from their answers.
+GRADING = {"gsm8k": 2, "math": 3}
+
+
+def grading(rows: list[dict]) -> int:
+    """The grading rule's version for a dataset: GSM8K's numbers (answers with '####') or MATH's LaTeX."""
+    return GRADING["gsm8k" if rows and "####" in rows[0]["answer"] else "math"]
 
 
 def load_data(path: str) -> list[dict]:
@@ -64,13 +71,15 @@ def last_boxed(text: str) -> str | None:
 
 
 def normalise(s: str) -> str:
-    """Light MATH normalisation: '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90'."""
+    """Light MATH normalisation: '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90',
+    '11\\sqrt2' -> '11\\sqrt{2}'."""
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
     s = re.sub(r"\\(?:left|right)\b", "", s)
     s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("$", "")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
+    s = re.sub(r"\\sqrt\s*(\w)", r"\\sqrt{\1}", s)  # \sqrt2 -> \sqrt{2}
     s = re.sub(r"\\[,;:! ]", "", s)  # LaTeX spacing
     return s.replace(" ", "").rstrip(".")
 
@@ -101,7 +110,8 @@ def is_correct(pred: str | None, answer: str) -> bool:
     if "####" in answer:
         gold, got = as_number(answer.split("####")[-1]), as_number(normalise(pred))
         return gold is not None and got is not None and abs(gold - got) < 1e-6
-    a, b = normalise(pred), normalise(answer)
+    bare = lambda t: re.sub(r"^[A-Za-z]\w?=(?!=)", "", t)  # 'x=5' -> '5', as the MATH grader drops a short name
+    a, b = bare(normalise(pred)), bare(normalise(answer))
     x, y = as_number(a), as_number(b)
     return a == b or (x is not None and y is not None and abs(x - y) < 1e-6)
 

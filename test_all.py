@@ -1694,6 +1694,13 @@ def test_cut_off_answers_are_unanswered(output, gsm8k, stop, pred):
     ("first \\boxed{2}, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True),  # the last box
     ("no box, the answer is 4", "4", False),  # MATH needs a box
     ("\\boxed{\\frac{1", "1", False),  # cut off mid-box
+    ("\\boxed{11\\sqrt{2}}", "11\\sqrt2", True),  # \sqrt2 = \sqrt{2} (MATH-500 #31)
+    ("\\boxed{\\sqrt23}", "\\sqrt{23}", False),  # \sqrt23 is sqrt(2) * 3: one character only
+    ("\\boxed{\\sqrt{117}}", "3\\sqrt{13}", False),  # equal, but no symbolic algebra here (data/README.md)
+    ("\\boxed{5}", "x=5", True),  # a short name before '=' is dropped on both sides
+    ("\\boxed{x = 5}", "5", True),
+    ("\\boxed{y=2x+3}", "2x+3", True),
+    ("\\boxed{5}", "x==5", False),
 ])
 def test_math_answers(output, answer, ok):
     """MATH-500 / AIME: last \\boxed{} with the data README's light normalisation."""
@@ -1937,7 +1944,7 @@ def test_accuracy_per_problem_fields(tiny_lab, tmp_path):
     rows = R.read_rows(tmp_path / "a.json")
     for row in rows:
         per = row["per_problem"]
-        assert row["grading"] == T.GRADING
+        assert row["grading"] == T.GRADING["gsm8k"] == T.grading(T.load_data(tiny_lab.data))
         assert [p["i"] for p in per] == list(range(5)) and all(R.problem(p) for p in per)
         assert row["mean_kept"] == pytest.approx(sum(p["kept"] for p in per) / 5)
         assert row["max_tokens"] == max(p["tokens"] for p in per)
@@ -2540,6 +2547,46 @@ def test_show_answers_prints_what_the_grader_read(tiny_lab):
     heads = [l for l in p.stdout.splitlines() if l.startswith("=== problem")]
     assert [h.split()[2] for h in heads] == ["3:", "1:"] and "8 tokens, stopped at max" in heads[0]
     assert "| dataset '12' | wrong" in p.stdout and "| dataset '4' | wrong" in p.stdout
+
+
+def test_regrade_grades_stored_answers_and_the_sweep_finds_them_done(tiny_lab, tmp_path, capsys, monkeypatch):
+    """tools/regrade.py: a MATH row graded by an earlier rule is graded again from the answers it holds (the verdicts
+    and the accuracy follow the current rule; a GSM8K row already current is untouched), and `eval.py accuracy` then
+    finds the row done and decodes nothing. A data file that is not the row's stops in one line."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import regrade
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}?", "answer": a}) + "\n"
+                            for i, a in enumerate(["11\\sqrt2", "x=5", "7", "4"])))
+    out = tmp_path / "rows.json"
+    argv = ["accuracy", "--model", tiny_lab.model, "--data", str(data), "--policies", "full", "--n", "4",
+            "--batch-size", "4", "--max-new-tokens", "4", "--out", str(out)]
+    ev.main(argv)
+    gsm8k = tmp_path / "q.jsonl"  # the rows' data files in one folder, as in data/
+    gsm8k.write_text(open(tiny_lab.data).read())
+    ev.main(["accuracy", "--model", tiny_lab.model, "--data", str(gsm8k), "--policies", "full", "--n", "2",
+             "--max-new-tokens", "4", "--out", str(out)])
+    rows = R.read_rows(out)
+    gsm = rows[1]
+    assert rows[0]["grading"] == T.GRADING["math"] and gsm["grading"] == T.GRADING["gsm8k"]
+    preds = ["11\\sqrt{2}", "5", "8", None]  # as if the model had answered so, graded by the old rule: all wrong
+    old = dict(rows[0], grading=2, accuracy=0.0, per_problem=[dict(p, pred=x, correct=False, answered=x is not None)
+                                                              for p, x in zip(rows[0]["per_problem"], preds)])
+    out.write_text(json.dumps([old, gsm]))
+    capsys.readouterr()
+    regrade.main([str(out), "--data-dir", str(tmp_path)])
+    assert "accuracy 0.00 -> 0.50, changed: [0, 1]" in capsys.readouterr().out
+    new, same = R.read_rows(out)
+    assert same == gsm and new["grading"] == T.GRADING["math"] and new["accuracy"] == 0.5
+    assert [p["correct"] for p in new["per_problem"]] == [True, True, False, False]
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: pytest.fail("a regraded row was decoded again"))
+    ev.main(argv)
+    assert R.read_rows(out) == [new, gsm]
+    (tmp_path / "m.jsonl").write_text("{}\n")
+    out.write_text(json.dumps([old]))
+    assert "is not the data file this row was run on" in one_line_exit(regrade.main, [str(out), "--data-dir",
+                                                                                        str(tmp_path)], capsys)
 
 
 def test_claims_tables_pair_every_row_by_problem(tmp_path):

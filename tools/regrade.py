@@ -1,0 +1,73 @@
+"""
+Grade accuracy rows again from the answers they hold, without decoding anything:
+
+    python tools/regrade.py results/study/full_q15.json results/study/full_q05.json
+
+Every accuracy row keeps each problem's extracted answer (per_problem[i]["pred"]) and, in its key, the version of
+the rule that graded it (tasks.GRADING, per kind of answer). When the rule changes, `eval.py accuracy` would decode
+an old row's problems again; this tool grades the stored answers by the current rule instead, against the data file
+the row names (looked up in --data-dir, checked by its hash), and rewrites the rows in place under the same lock the
+sweeps take, so a rerun of the sweep finds them done. Rows already graded by the current rule are left as they are.
+Extraction is not redone: a change to what counts as an answer (tasks.extract_answer) needs the answers decoded again.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+from cli import UsageError  # noqa: E402
+from results import locked, read_rows, write_json  # noqa: E402
+from tasks import DATA, file_hash, grading, is_correct, load_data  # noqa: E402
+
+
+def regrade(row: dict, data: list[dict]) -> tuple[dict, list[int]]:
+    """row graded by the current rule, and the problems whose verdict changed."""
+    per, changed = [], []
+    for p in row["per_problem"]:
+        ok = is_correct(p["pred"], data[p["i"]]["answer"])
+        changed += [p["i"]] if ok != p["correct"] else []
+        per.append({**p, "correct": ok})
+    accuracy = sum(p["correct"] for p in per) / len(per)
+    return {**row, "grading": grading(data), "accuracy": accuracy, "per_problem": per}, changed
+
+
+def data_of(row: dict, data_dir: Path) -> list[dict]:
+    path = data_dir / row["data"]
+    if not path.is_file() or file_hash(str(path)) != row["data_sha"]:
+        raise UsageError(f"{path} is not the data file this row was run on ({row['data']}, hash {row['data_sha']}): "
+                         "pass --data-dir with the folder that holds it")
+    return load_data(str(path))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Grade accuracy rows again by the current rule, from their answers.")
+    ap.add_argument("files", nargs="+", help="result files of eval.py accuracy (their --out)")
+    ap.add_argument("--data-dir", default=str(DATA), help="where the rows' data files are (default: data/)")
+    args = ap.parse_args(argv)
+    try:
+        for f in map(Path, args.files):
+            with locked(f):  # a sweep writing f waits, as sweeps wait for each other
+                rows = read_rows(f) if f.is_file() else None
+                if rows is None:
+                    raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
+                out = []
+                for r in rows:
+                    data = data_of(r, Path(args.data_dir)) if r.get("task") == "accuracy" else None
+                    if data is None or r.get("grading") == grading(data):
+                        out.append(r)
+                        continue
+                    new, changed = regrade(r, data)
+                    print(f"{f}: {r['policy']} on {r['data']} (n = {len(r['per_problem'])}): grading "
+                          f"{r.get('grading')} -> {new['grading']}, accuracy {r['accuracy']:.2f} -> "
+                          f"{new['accuracy']:.2f}, changed: {changed or 'none'}")
+                    out.append(new)
+                if out != rows:
+                    write_json(f, out)
+    except UsageError as e:
+        sys.exit(f"regrade: {e}")
+
+
+if __name__ == "__main__":
+    main()
