@@ -243,7 +243,7 @@ def make_jobs(args) -> list[dict]:
         extra = {"probe": args.probe, "where": args.where if args.probe == "passcode" else None, "gap": args.gap}
     if args.cmd == "probe" and args.probe == "heads":  # the full cache, the fact kept in k of the KV heads
         jobs = [{"policy": "full", "budget": None, "protect": None, "heads": k} for k in args.heads]
-        extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME}
+        extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME, "scored": "digits"}  # not the space before them
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens}
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
@@ -373,7 +373,8 @@ def main(argv=None):
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype)[0]).type == "cuda" else 16
             lab, job_cost = {}, cost
             if args.cmd == "probe" and args.probe == "heads":
-                args.heads = list(range(model_of(args, lab)[0].cfg.num_key_value_heads + 1))
+                # the full cache (every head keeps the fact) first: whether the model recalls at all comes first
+                args.heads = list(range(model_of(args, lab)[0].cfg.num_key_value_heads, -1, -1))
                 args.min_tokens = args.gap + 256  # the conversations run on past the question's place
             jobs = make_jobs(args)
             held = read_rows(Path(args.out)) if args.out and not args.shard else []

@@ -63,7 +63,8 @@ FACT_NAME = "zorb"  # the planted variable (in the rows' key): a name the traces
 def plant_fact(tok, trace: dict, i: int, seed: int, gap: int) -> dict:
     """A probe built from one of the model's own full-cache conversations (the fidelity traces): 'Let zorb = NNNN.'
     is planted in its first answer, the conversation runs on for about `gap` tokens, then a user turn asks for zorb
-    and the assistant's turn opens with 'The value of zorb is'. Returns ids, the fact's span and the answer's span.
+    and the assistant's turn opens with 'The value of zorb is'. Returns ids, the fact's span and the answer's span (the
+    digits only, where the tokenizer writes them apart from the space before them).
     note: the name is one no solution uses: with x, GSM8K answers define x themselves ('Let x be Jerry's age'), and
     the 1.5B's full cache answered at chance (log-probability -9.3 for 4 digits, 4 ln 10 = 9.2)."""
     rng = random.Random(f"{seed}:{i}:heads")
@@ -77,8 +78,12 @@ def plant_fact(tok, trace: dict, i: int, seed: int, gap: int) -> dict:
     turns = msgs + [{"role": "assistant", "content": "X"},
                     {"role": "user", "content": f"What is the value of {FACT_NAME}?"}]
     prefix = f"The value of {FACT_NAME} is"
-    tail = turn_ids(tok, turns, tok.chat(msgs) + "X")[0] + tok.encode(prefix)
-    answer = tok.encode(prefix + " " + secret)[len(tok.encode(prefix)) :]
+    said = tok.encode(prefix + " " + secret)[len(tok.encode(prefix)) :]  # e.g. [' ', '4', '2', '5', '9']
+    # only the digits are scored: the separator before them is not the fact (the 1.5B's full cache gives the digits
+    # log-probability 0.00 each, but would write ' given' before them, so scoring ' ' too made its recall 0)
+    k = next((k for k in range(len(said)) if tok.decode(said[k:]) == secret), 0)
+    tail = turn_ids(tok, turns, tok.chat(msgs) + "X")[0] + tok.encode(prefix) + said[:k]
+    answer = said[k:]
     ids = body[:end] + tail + answer
     return {"ids": ids, "fact": (at, at + len(fact)), "question": end, "answer": (len(ids) - len(answer), len(ids))}
 

@@ -10,6 +10,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -2193,6 +2194,43 @@ def test_masked_recall_hides_the_fact_per_head(tiny):
     assert abs(got[0][1] - logprob(True)) < 1e-5 and abs(got[1][1] - logprob(False)) < 1e-5
 
 
+class CharTok:
+    """A tokenizer for hand-worked probes: one token per character, or (merge=True) a space and the digit after it
+    as one token, as some BPE vocabularies write ' 4'; the chat template is '<role>content' per turn."""
+
+    def __init__(self, merge=False):
+        self.merge, self.vocab = merge, {}
+
+    def encode(self, text):
+        parts = re.findall(r" \d|." if self.merge else r".", text, flags=re.S)
+        return [self.vocab.setdefault(t, len(self.vocab)) for t in parts]
+
+    def decode(self, ids):
+        back = {i: t for t, i in self.vocab.items()}
+        return "".join(back[i] for i in ids)
+
+    def chat(self, messages):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_planted_fact_scores_the_digits_only(merge):
+    """plant_fact's answer span is the four digits, not the space before them (the space is part of the prompt); a
+    tokenizer that writes ' 4' as one token keeps the space in the span, as there is no other way to cut it."""
+    from probes import FACT_NAME, plant_fact
+
+    tok = CharTok(merge)
+    text = "<user>Q<assistant>" + "some reasoning, step by step. " * 8
+    trace = {"ids": tok.encode(text), "spans": [(18, len(text))]}
+    pr = plant_fact(tok, trace, 0, seed=0, gap=40)
+    ids, (f0, f1), (a, b) = pr["ids"], pr["fact"], pr["answer"]
+    secret = re.search(r"= (\d{4})\.", tok.decode(ids[f0:f1]))[1]
+    assert tok.decode(ids[f0:f1]) == f"\n\nLet {FACT_NAME} = {secret}.\n\n" and b == len(ids)
+    assert tok.decode(ids[a:b]) == (" " + secret if merge else secret)
+    assert tok.decode(ids[:a]).endswith(f"What is the value of {FACT_NAME}?<assistant>The value of {FACT_NAME} is"
+                                        + ("" if merge else " "))
+
+
 def test_head_probe_sweep_writes_rows_and_resumes(tiny_lab, tmp_path, capsys):
     """`eval.py probe --probe heads` end to end: one row per k = 0 ... H_kv (the fact kept in k KV heads), each with
     its recall per probe, read back on a rerun, which then has nothing left to run."""
@@ -2202,9 +2240,9 @@ def test_head_probe_sweep_writes_rows_and_resumes(tiny_lab, tmp_path, capsys):
     ev.main(argv)
     rows = json.loads(out.read_text())
     H_kv = json.loads(open(os.path.join(tiny_lab.model, "config.json")).read())["num_key_value_heads"]
-    assert [r["heads"] for r in rows] == list(range(H_kv + 1))
+    assert [r["heads"] for r in rows] == list(range(H_kv, -1, -1))  # the full cache first
     assert all(len(r["recall_by_probe"]) == 2 and 0 <= r["recall"] <= 1 and r["logprob"] < 0 for r in rows)
-    assert rows[0]["head_sets"] == 1 and rows[1]["head_sets"] == H_kv
+    assert rows[-1]["head_sets"] == 1 and rows[-2]["head_sets"] == H_kv
     capsys.readouterr()
     ev.main(argv)  # every row is read back (checked) and none is computed again
     assert json.loads(out.read_text()) == rows and "probe: 0it" in capsys.readouterr().err
