@@ -189,8 +189,8 @@ def draw(paths: list[str], out: str) -> list[Path]:
         full = [r for r in rows if r.get("task") == task and r["policy"] == "full"]
         budgets = sorted({p[0] for pts in series.values() for p in pts})
         if len(budgets) == 1:  # one budget: a row per line, sorted by value, rather than points stacked on one K
-            save(forest(plt, task, series, looks, ylabel, budgets[0], full[-1]["accuracy"] if task == "accuracy"
-                        and full else 0.0), f"{task}.png")
+            ref = 0.0 if task == "fidelity" else full[-1]["accuracy"] if full else None
+            save(forest(plt, task, series, looks, ylabel, budgets[0], ref), f"{task}.png")
             continue
         fig, ax = plt.subplots(figsize=(8.5, 4.2))
         bars = False
@@ -253,18 +253,19 @@ def draw(paths: list[str], out: str) -> list[Path]:
     return written
 
 
-def forest(plt, task: str, series: dict[str, list[tuple]], looks: dict, xlabel: str, K: int, full: float):
+def forest(plt, task: str, series: dict[str, list[tuple]], looks: dict, xlabel: str, K: int, full: float | None):
     """One budget's lines as rows, best at the top, each point with its paired 95 % interval (when the rows hold
-    per-item results) and a dashed line at the full cache (its accuracy, or KL 0)."""
+    per-item results) and a dashed line at the full cache (its accuracy, or KL 0; none without a full-cache row)."""
     pts = sorted(((name, *p[0][1:]) for name, p in series.items()), key=lambda t: t[1], reverse=task == "accuracy")
     fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.32 * len(pts)))
     for y, (name, v, lo, hi) in enumerate(pts):
         err = None if lo is None else [[v - lo], [hi - v]]
         ax.errorbar([v], [y], xerr=err, capsize=3, ms=5, ls="none", **looks[name])
-    ax.axvline(full, color="black", ls="--", lw=1)
+    if full is not None:
+        ax.axvline(full, color="black", ls="--", lw=1)
     ax.set_yticks(range(len(pts)), [p[0] for p in pts], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(xlabel + ("  (dashed: the full cache)" if task == "accuracy" else ""))
+    ax.set_xlabel(xlabel + ("  (dashed: the full cache)" if task == "accuracy" and full is not None else ""))
     bars = "bars = paired bootstrap 95 % interval" if any(p[2] is not None for p in pts) else "no per-item results"
     ax.set_title(f"{task} against the full cache at K = {K}: {bars}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")

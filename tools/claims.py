@@ -170,8 +170,9 @@ def main():
     print("\n".join(pairs(rows, "protected - not protected", lambda a, b: a["policy"] == b["policy"]
                           and a["protect"] is True and b["protect"] is False)))
     print()
-    print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: (a["policy"] in SCORERS
-                          or a["policy"].startswith("vase")) and b["policy"] == "random" and a["protect"] is True and b["protect"] is True)))
+    scorer = lambda r: r["policy"] in SCORERS or r["policy"].startswith("vase")
+    print("\n".join(pairs(rows, "scorer - random, both protected", lambda a, b: scorer(a) and b["policy"] == "random"
+                          and a["protect"] is True and b["protect"] is True)))
     print()
     vase_vs = lambda a, b: a["protect"] == b["protect"] and (
         (a["policy"] == "vase" and b["policy"].startswith("vase-")) or

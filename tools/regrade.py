@@ -33,11 +33,12 @@ def regrade(row: dict, data: list[dict]) -> tuple[dict, list[int]]:
     return {**row, "grading": grading(data), "accuracy": accuracy, "per_problem": per}, changed
 
 
-def data_of(row: dict, data_dir: Path) -> list[dict]:
-    path = data_dir / row["data"]
-    if not path.is_file() or file_hash(str(path)) != row["data_sha"]:
-        raise UsageError(f"{path} is not the data file this row was run on ({row['data']}, hash {row['data_sha']}): "
-                         "pass --data-dir with the folder that holds it")
+def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:
+    """The data file a row names, checked against the row's hash."""
+    path = data_dir / name
+    if not path.is_file() or file_hash(str(path)) != sha:
+        raise UsageError(f"{path} is not the data file this row was run on ({name}, hash {sha}): pass --data-dir "
+                         "with the folder that holds it")
     return load_data(str(path))
 
 
@@ -46,15 +47,18 @@ def main(argv=None):
     ap.add_argument("files", nargs="+", help="result files of eval.py accuracy (their --out)")
     ap.add_argument("--data-dir", default=str(DATA), help="where the rows' data files are (default: data/)")
     args = ap.parse_args(argv)
+    read = {}  # (name, hash) -> the data file's rows, read and checked once per run
     try:
         for f in map(Path, args.files):
+            if not f.is_file():
+                raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
-                rows = read_rows(f) if f.is_file() else None
-                if rows is None:
-                    raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
-                out = []
+                rows, out = read_rows(f), []
                 for r in rows:
-                    data = data_of(r, Path(args.data_dir)) if r.get("task") == "accuracy" else None
+                    key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
+                    if key and key not in read:
+                        read[key] = data_of(*key, Path(args.data_dir))
+                    data = read.get(key)
                     if data is None or r.get("grading") == grading(data):
                         out.append(r)
                         continue
