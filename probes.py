@@ -119,13 +119,16 @@ def masked_recall(model, pr: dict, keep_sets: list[list[int]]) -> list[tuple[boo
 
 def head_probe(model, k: int, probes: list[dict], seed: int) -> dict:
     """Recall and answer log-probability with the fact kept in exactly k of each layer's KV heads: every set of k
-    heads (8 drawn at random where there are more), each probe, averaged."""
+    heads (8 drawn at random where there are more), each probe, averaged; and per set, averaged over the probes."""
     sets = [list(c) for c in itertools.combinations(range(model.cfg.num_key_value_heads), k)]
     sets = random.Random(f"{seed}:{k}").sample(sets, 8) if len(sets) > 8 else sets
     got = [masked_recall(model, pr, sets) for pr in probes]  # [probe][set] of (recall, logprob)
     flat = [x for g in got for x in g]
+    by_set = list(zip(*got))  # [set][probe]: which heads carry the fact, as the authors report their carrier heads
     return {"recall": sum(r for r, _ in flat) / len(flat), "logprob": sum(lp for _, lp in flat) / len(flat),
             "head_sets": len(sets), "recall_by_probe": [sum(r for r, _ in g) / len(g) for g in got],
+            "sets": sets, "recall_by_set": [sum(r for r, _ in g) / len(g) for g in by_set],
+            "logprob_by_set": [sum(lp for _, lp in g) / len(g) for g in by_set],
             "gap_tokens": sum(pr["question"] - pr["fact"][1] for pr in probes) / len(probes)}
 
 

@@ -94,7 +94,8 @@ problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(o
 FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
-    "l1_next_by_head": maybe(list_of(list_of(num))),
+    "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
+    "logprob_by_set": list_of(num),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 

@@ -2243,6 +2243,8 @@ def test_head_probe_sweep_writes_rows_and_resumes(tiny_lab, tmp_path, capsys):
     assert [r["heads"] for r in rows] == list(range(H_kv, -1, -1))  # the full cache first
     assert all(len(r["recall_by_probe"]) == 2 and 0 <= r["recall"] <= 1 and r["logprob"] < 0 for r in rows)
     assert rows[-1]["head_sets"] == 1 and rows[-2]["head_sets"] == H_kv
+    assert rows[-2]["sets"] == [[h] for h in range(H_kv)] and len(rows[-2]["recall_by_set"]) == H_kv
+    assert sum(rows[-2]["recall_by_set"]) / H_kv == rows[-2]["recall"]  # the mean over sets is the mean over all
     capsys.readouterr()
     ev.main(argv)  # every row is read back (checked) and none is computed again
     assert json.loads(out.read_text()) == rows and "probe: 0it" in capsys.readouterr().err
@@ -2666,6 +2668,9 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
              "better_window": 0.75, "l1_next": None, "better_next": None}]
     rows += [{"task": "probe", "policy": "full", "budget": None, "protect": None, "heads": k, "recall": r,
               "logprob": -5.0 + k, "recall_by_probe": [r, r], "gap_tokens": 1500.0} for k, r in ((2, 1.0), (0, 0.0))]
+    rows += [{"task": "probe", "policy": "full", "budget": None, "protect": None, "heads": 1, "recall": 0.5,
+              "logprob": -4.0, "recall_by_probe": [0.5, 0.5], "gap_tokens": 1500.0, "sets": [[0], [1]],
+              "recall_by_set": [0.0, 1.0], "logprob_by_set": [-7.0, -1.0]}]
     (tmp_path / "f.json").write_text(json.dumps(rows))
     p = run_py(["tools/claims.py", str(tmp_path / "f.json")])
     assert p.returncode == 0, p.stderr
@@ -2675,5 +2680,6 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
     assert "| full |" not in p.stdout
     assert "| criticalkv, not protected | 64 | 0.5000 | 75% | – | – |" in p.stdout
     lines = p.stdout.splitlines()
-    assert lines.index("| 0 | 0% | -5.00 | 0 / 2 |") < lines.index("| 2 | 100% | -3.00 | 2 / 2 |")
+    assert (lines.index("| 0 | 0% | -5.00 | 0 / 2 | – |") < lines.index("| 1 | 50% | -4.00 | 0 / 2 | heads [1]: 100%, -1.00 |")
+            < lines.index("| 2 | 100% | -3.00 | 2 / 2 | – |"))
     assert "question about 1500 tokens after the fact" in p.stdout

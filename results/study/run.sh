@@ -9,23 +9,22 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 B="--policies full --n 100 --batch-size 16"
 S="--model qwen2.5-coder-1.5b --budgets 192 --buffer 16 --n 100 --batch-size 16 --max-new-tokens 512 --data data/gsm8k_test.jsonl"
 F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 16 --data data/gsm8k_test.jsonl --out results/study/fidelity_q15.json"
-( # lane A: claims 1-2 with the prompt protected, claims 3 and 5 at the tight budget, the VASE adversary
+( # lane A: claims 1-2 with the prompt protected, claims 3 and 5 at the tight budget
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q05.json
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q05.json
   python eval.py accuracy --policies snapkv,vase-noreserve,random $S --protect-prompt --out results/study/claims_q15.json
-  python eval.py fidelity --policies snapkv,criticalkv,vase,random,epikv,vase-adversary,vase-topk,vase-noreserve,rkv --budgets 192 $F
+  python eval.py fidelity --policies all --budgets 192 $F   # every policy, with the reference traces scored once
   python eval.py perturbation --policies snapkv,criticalkv --budgets 192 $F
-  python eval.py accuracy --policies vase-adversary $S --protect-prompt --out results/study/claims_q15.json
-  python eval.py fidelity --policies all --budgets 192 $F   # the policies no claim names: h2o, streaming, ...
 ) &
 ( # lane B: the 1.5B baselines, claim 1 without protection, claim 3's larger budgets, claim 4, protected vase, MATH-500,
-    # the VASE adversary at its paper's setting
+    # the VASE adversary with the prompt protected and at its paper's setting
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q15.json
   python eval.py accuracy --policies snapkv,random,vase $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
   python eval.py fidelity --policies snapkv,criticalkv,vase,random --budgets 256,384 $F
   python eval.py probe --probe heads --model qwen2.5-coder-1.5b --n 8 --gap 1500 --data data/gsm8k_test.jsonl --out results/study/heads_q15.json
   python eval.py accuracy --policies vase $S --protect-prompt --out results/study/claims_q15.json
   python eval.py accuracy --model qwen2.5-coder-1.5b $B --max-new-tokens 1024 --data data/math500.jsonl --out results/study/full_q15.json
+  python eval.py accuracy --policies vase-adversary $S --protect-prompt --out results/study/claims_q15.json
   python eval.py accuracy --policies vase-adversary $S --no-protect-prompt --out results/study/claims_q15_noprotect.json
 ) &
 wait
