@@ -2632,7 +2632,8 @@ def test_regrade_grades_stored_answers_and_the_sweep_finds_them_done(tiny_lab, t
 def test_claims_tables_pair_every_row_by_problem(tmp_path):
     """tools/claims.py on hand-made rows of 10 problems: each row against full, the spread across the policies run
     both ways (protected snapkv 0.2 and random 0.3: 0.1; not protected 0.4 and 0.1: 0.3), random against the scorer,
-    and an unfinished sweep's progress file with --partial. Without a full row it stops in one line."""
+    and an unfinished sweep's progress file with --partial; VASE's adversary, run both ways, is left out of the
+    spread. Without a full row it stops in one line."""
     def row(policy, protect, right, n=10):
         pp = [{"i": i, "correct": i in right, "answered": True, "loop": False, "tokens": 100, "evictions": 3,
                "kept": 0.5, "pred": str(i) if i in right else "x"} for i in range(n)]
@@ -2640,7 +2641,8 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
                 "data": "d", "model": "m", "per_problem": pp}
     full = row("full", None, range(6))
     a = [full, row("snapkv", True, range(2)), row("random", True, range(3))]
-    b = [full, row("snapkv", False, range(4)), row("random", False, [0])]
+    b = [full, row("snapkv", False, range(4)), row("random", False, [0]), row("vase-adversary", False, [])]
+    a.append(row("vase-adversary", True, range(10)))  # a control: in the tables, not in the spread
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
     (tmp_path / "a.progress-0.json").write_text(json.dumps(row("vase", True, [1], n=4)))
@@ -2648,7 +2650,8 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "| snapkv, protected | 64 | 0.20 | -0.40 | [" in p.stdout and "| 0 / 4 | 0.12 | 0.60 |" in p.stdout
     assert "| vase, protected (n = 4 so far) | 64 | 0.25 |" in p.stdout and p.stdout.count("| full |") == 1
-    assert "protected 0.10, not protected 0.30; difference -0.20" in p.stdout
+    assert "across snapkv, random on" in p.stdout and "protected 0.10, not protected 0.30; difference -0.20" in p.stdout
+    assert "| vase-adversary, protected - vase-adversary, not protected | +1.00 |" in p.stdout
     assert "| snapkv, protected - random, protected | -0.10 |" in p.stdout and "| 0 / 1 | 1 |" in p.stdout
     assert "| random, protected - random, not protected | +0.20 | [" in p.stdout
     assert "| vase, protected (n = 4 so far) - snapkv, protected | -0.25 |" in p.stdout  # the 4 problems both hold

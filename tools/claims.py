@@ -8,7 +8,8 @@ Accuracy rows of all files are paired by problem (every configuration ran on the
 1. each configuration against the full cache: accuracy, the difference with its paired bootstrap 95 % interval and
    McNemar's exact sign test, how often its extracted answer is the full cache's, loops, answer length, eviction
    rounds per answer (mean and median) and the share of answer tokens still held when the answer ended;
-2. Random Attention's spread: best minus worst accuracy across the policies run (and finished) both ways, and
+2. Random Attention's spread: best minus worst accuracy across the policies run (and finished) both ways (the
+   scorers and random; VASE's adversary is a control, not a policy to choose), and
    the interval of the difference; each such policy protected against itself not protected;
 3. random against each scorer, both protected; 4. VASE against its variants and snapkv (the attention top-k it
    samples from) at the same setting.
@@ -84,7 +85,7 @@ def spread(rows: list[dict]) -> list[str]:
     """Policies run both protected and not, both finished: the spread of their accuracies each way, on the problems all
     their rows hold."""
     by = {(r["policy"], r["protect"]): r for r in rows if not r.get("partial")}
-    both = [p for p, s in by if s is True and (p, False) in by]
+    both = [p for p, s in by if s is True and (p, False) in by and p in (*SCORERS, "random")]  # not the adversary
     if len(both) < 2:
         return []
     common = sorted(set.intersection(*(set(outcomes(by[p, s])) for p in both for s in (True, False))))
