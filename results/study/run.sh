@@ -3,7 +3,8 @@
 # lanes on the 2-core CPU, each single-threaded. Every command resumes where it stopped (finished jobs are rows in
 # --out; an accuracy job's finished batches are in its .progress file), so rerunning this script continues the study;
 # a command whose rows are all in --out only prints them. The claims files start with full_q15.json's GSM8K full-cache
-# row copied in (the same job), so neither recomputes it. The lanes carry about the same hours of work.
+# row copied in (the same job), so neither recomputes it. Lane B is the longer (the 1.5B's MATH-500 row); a sweep
+# left running alone can be stopped and rerun with OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 (it resumes) on both cores.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 B="--policies full --n 100 --batch-size 16"
