@@ -125,10 +125,10 @@ def head_probe(model, k: int, probes: list[dict], seed: int) -> dict:
     got = [masked_recall(model, pr, sets) for pr in probes]  # [probe][set] of (recall, logprob)
     flat = [x for g in got for x in g]
     by_set = list(zip(*got))  # [set][probe]: which heads carry the fact, as the authors report their carrier heads
-    return {"recall": sum(r for r, _ in flat) / len(flat), "logprob": sum(lp for _, lp in flat) / len(flat),
-            "head_sets": len(sets), "recall_by_probe": [sum(r for r, _ in g) / len(g) for g in got],
-            "sets": sets, "recall_by_set": [sum(r for r, _ in g) / len(g) for g in by_set],
-            "logprob_by_set": [sum(lp for _, lp in g) / len(g) for g in by_set],
+    mean = lambda pairs, i: sum(x[i] for x in pairs) / len(pairs)  # i = 0: recall, 1: log-probability
+    return {"recall": mean(flat, 0), "logprob": mean(flat, 1), "head_sets": len(sets),
+            "recall_by_probe": [mean(g, 0) for g in got], "sets": sets,
+            "recall_by_set": [mean(g, 0) for g in by_set], "logprob_by_set": [mean(g, 1) for g in by_set],
             "gap_tokens": sum(pr["question"] - pr["fact"][1] for pr in probes) / len(probes)}
 
 
