@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import model as model_py
-from cli import UsageError, cpu_threads, int_list, load, peak_memory_mb, policy_names, resolve_device
+from cli import UsageError, cpu_info, cpu_threads, int_list, load, peak_memory_mb, policy_names, resolve_device
 from generate import feed, make_cache, make_run
 from kernels import linear
 from model import ModelConfig, ModelError, Transformer, weight
@@ -71,10 +71,12 @@ def jobs(args) -> list[dict]:
     protect = args.protect_prompt
     for n in names:  # fail here, once, on a bad --budget / --buffer / prompt combination
         make_run(n, None if n == "full" else args.budget, args.buffer, protect, args.prompt_len)
-    device, dtype = resolve_device(args.device, args.dtype)
+    device, dtype = resolve_device(args.device, args.dtype, args.quant)
+    if args.quant and args.model and Path(args.model).is_file():
+        raise UsageError("--quant needs a model directory or name: a bare config.json has only random weights")
     common = {"buffer": args.buffer, "steps": args.steps, "prompt_len": args.prompt_len, "threads": args.threads,
               "protect": protect, "seed": args.seed, "model": model_key(args.model), "device": str(device),
-              "dtype": str(dtype)}
+              "dtype": str(dtype), **({"quant": args.quant} if args.quant else {})}  # old rows keep their keys
     rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget,
              **({"side_by_side": True} if args.side_by_side and b > 1 else {})}  # in the key only where it adds a figure
             for n in names for c in contexts for b in batches]
@@ -112,11 +114,11 @@ def measure(job: dict, model: str | None = None) -> dict:
 # one row, inside the subprocess
 
 
-def build_model(path, device: str | None, dtype: str | None):
+def build_model(path, device: str | None, dtype: str | None, quant: str | None = None):
     """The model of a directory (or the default), or random weights for a bare config.json."""
     if path and Path(path).is_file():
         device, dtype = resolve_device(device, dtype)
-        cpu_threads(device)
+        cpu_threads(device, dtype, None)
         model = Transformer(ModelConfig.from_hf(path), device, dtype)
         g = torch.Generator(device).manual_seed(0)  # drawn on the device: billions of weights on a GPU
         for name, p in model.named_parameters():  # small random weights; norms 1 and biases 0 keep it tame
@@ -125,7 +127,7 @@ def build_model(path, device: str | None, dtype: str | None):
             else:
                 p.fill_(1.0 if "norm" in name else 0.0)
         return model.eval()
-    return load(path, device, dtype)[0]
+    return load(path, device, dtype, quant)[0]
 
 
 def reset_peak(device):
@@ -230,8 +232,8 @@ def side_by_side(model, o: dict, blocks: int = SIDE_BLOCKS, k: int = SIDE_STEPS)
 
 @torch.inference_mode()
 def measure_here(o: dict, path: str | None = None) -> dict:
-    device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""))
-    model = build_model(path, device, str(dtype).replace("torch.", ""))
+    device, dtype = resolve_device(o["device"], o["dtype"].replace("torch.", ""), o.get("quant"))
+    model = build_model(path, device, str(dtype).replace("torch.", ""), o.get("quant"))
     if o.get("threads"):  # after loading, which picks nanokv's default (generate.cpu_threads)
         torch.set_num_threads(o["threads"])
     cfg, C, steps, B = model.cfg, o["context"], o["steps"], o["batch"]
@@ -255,9 +257,9 @@ def measure_here(o: dict, path: str | None = None) -> dict:
     spent["rest"] = dt - ev_s - spent["matmul"] - spent["attention"]
     split = {f"{k}_ms": round(spent[k] / steps * 1e3, 3) for k in ("matmul", "attention", "rest")} if on_cpu else {}
     peak = peak_memory_mb(device)  # read before the bandwidth probe and the side-by-side decoders allocate
-    # roofline: each step reads every weight once (tied embeddings: once, as the LM head) and every held K/V
-    params = {p.data_ptr(): p.nbytes for p in model.parameters()}
-    w_bytes = sum(params.values()) - (0 if model.lm_head is None else model.model.embed_tokens.weight.nbytes)
+    info = cpu_info()
+    # roofline: each step reads every matrix once (not the embedding table: one row a token) and every held K/V
+    w_bytes = sum(matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices())
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cache.k.element_size()
     roof_tok_s = B * matvec_bandwidth(device, dtype) / (w_bytes + kv_bytes * slots / steps)
     side = {}
@@ -272,7 +274,13 @@ def measure_here(o: dict, path: str | None = None) -> dict:
         **split, **side, "peak_mb": round(peak, 1), "slots": run.max_slots,
         # the 1-minute load average: other jobs on the machine spoil the timings, so each row says how busy it was
         "used_threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),
+        **({"cpu": " ".join([info["cpu"], info["capability"], *info["flags"]])} if on_cpu else {}),
     }
+
+
+def matrix_bytes(w) -> int:
+    """Bytes a matmul reads of a weight: a dense tensor, a kernels.QuantWeight, or a tuple of parts."""
+    return sum(map(matrix_bytes, w)) if isinstance(w, tuple) else w.nbytes
 
 
 if __name__ == "__main__":

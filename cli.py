@@ -1,7 +1,7 @@
 """
 What every command line of nanokv shares (generate.py, eval.py, bench.py, tools/): the one-line UsageError and
-argparse errors, --device / --dtype and their resolution, CPU threads, loading a model by name or directory,
-progress notes on stderr, and one-line exits when writing the output fails.
+argparse errors, --device / --dtype / --quant and their resolution, the CPU's units and threads, loading a model by
+name or directory, progress notes on stderr, and one-line exits when writing the output fails.
 
 It sits between the decode loop and the model: generate, eval and bench import it; it imports model, tokenizer
 and policies (for --policies), so any command can fail on a bad setting before a model is loaded.
@@ -9,8 +9,10 @@ and policies (for --policies), so any command can fail on a bad setting before a
 
 import argparse
 import os
+import platform
 import resource
 import sys
+from contextlib import suppress
 
 import torch
 
@@ -33,10 +35,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_device_args(ap: argparse.ArgumentParser):
-    """--device and --dtype, shared with eval.py."""
+    """--device, --dtype and --quant, shared with eval.py."""
     ap.add_argument("--device", default=None, help="cuda, cuda:N, mps or cpu (default: the first available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="weights and cache dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+                    help="weights and cache dtype; with --quant, the activations' and the cache's (default: bfloat16 "
+                    "on CUDA, and with --quant on a CPU with bf16 units; float32 elsewhere)")
+    ap.add_argument("--quant", default=None, choices=["int8", "int4"], help="weight-only quantized matrices, CPU "
+                    "only: int8 per output row; int4 in groups of 32, a GGUF's own 4-bit blocks where weights.py kept "
+                    "them, its wider blocks as int8 (default: none, the exact fp32 path; quant.py)")
 
 
 def policy_names(arg: str, full: bool = True) -> list[str]:
@@ -75,8 +81,10 @@ def autodetect_device() -> str:
     return "cpu"
 
 
-def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
-    """--device / --dtype -> a usable device and dtype: bf16 on CUDA, fp32 elsewhere unless asked."""
+def resolve_device(device: str | None, dtype: str | None, quant: str | None = None) -> tuple[str, torch.dtype]:
+    """--device / --dtype / --quant -> a usable device and dtype: bf16 on CUDA, fp32 elsewhere unless asked, and with
+    --quant bf16 activations where the CPU has bf16 units (fp32 elsewhere: correct, but torch's int kernels are slow
+    there; RESULTS.md says which mode is fastest where)."""
     device = device or autodetect_device()
     try:
         d = torch.device(device)
@@ -89,14 +97,47 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dt
                          "use --device cpu or an existing cuda:N")
     if d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UsageError("--device mps: MPS is not available here; use --device cpu")
-    return device, getattr(torch, dtype) if dtype else torch.bfloat16 if d.type == "cuda" else torch.float32
+    if quant and d.type != "cpu":
+        raise UsageError(f"--quant runs on the CPU only (torch's {d.type} int4 kernel packs weights another way, which "
+                         f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
+    if quant and dtype == "float16":
+        raise UsageError("--quant takes --dtype bfloat16 or float32 (the activations' dtype), not float16")
+    if dtype:
+        return device, getattr(torch, dtype)
+    return device, torch.bfloat16 if d.type == "cuda" or quant and cpu_has_bf16() else torch.float32
 
 
-def cpu_threads(device):
-    """On CPU, torch keeps one thread: decode's time goes to matrix products, which kernels.linear then hands to
-    numpy's OpenBLAS and its own threads (all cores). A second busy-waiting pool would fight it for the cores."""
+def cpu_info() -> dict:
+    """What this CPU offers the kernels, for bench rows and speed tables: its name, torch's SIMD level, and the flags
+    that decide which mode is fast (bf16 units: avx512_bf16, amx_bf16; int8 dot products: the vnni and amx_int8)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    with suppress(OSError), open("/proc/cpuinfo") as f:  # Linux; elsewhere no flags, so no bf16 by default
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(),
+            "flags": [f for f in wanted if f in flags]}
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 matrix units (AVX-512 BF16 or AMX): there bf16 activations run fast; elsewhere torch emulates them."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["flags"]))
+
+
+TORCH_THREADS = torch.get_num_threads()  # torch's own choice (all cores, or OMP_NUM_THREADS), before we change it
+
+
+def cpu_threads(device, dtype: torch.dtype, quant: str | None):
+    """On CPU, torch runs one thread on the exact fp32 path: its time goes to matrix products, which kernels.linear then
+    hands to numpy's OpenBLAS and its own threads (all cores), and a second busy-waiting pool would fight it for the
+    cores. bf16 and the int kernels are torch's own: there torch keeps its threads."""
     if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(1 if dtype == torch.float32 and not quant else TORCH_THREADS)
 
 
 def peak_memory_mb(device) -> float:
@@ -106,12 +147,12 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def load(model_dir, device, dtype):
+def load(model_dir, device, dtype, quant: str | None = None):
     """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
     from weights import DEFAULT_MODEL, MODELS, SetupError, model_dir as named_model_dir
 
-    device, dtype = resolve_device(device, dtype)  # a bad --device fails before any download
-    cpu_threads(device)
+    device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
+    cpu_threads(device, dtype, quant)
     try:  # a name that weights.py knows (and no directory of that name) is its converted directory
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
             model_dir = named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
@@ -120,7 +161,7 @@ def load(model_dir, device, dtype):
                              f"pass a Hugging Face model directory or one of {', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
-    return load_model(model_dir, device, dtype), Tokenizer(model_dir)
+    return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir)
 
 
 # -----------------------------------------------------------------------------

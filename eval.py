@@ -29,8 +29,8 @@ from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
-from results import (Progress, check_writable, merge, model_key, read_json, read_rows, result_file, run_jobs,
-                     shard_arg, todo, write_json)
+from results import (Progress, check_writable, merge, model_key, pack_text, read_json, read_rows, result_file,
+                     run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
 from traces import SYSTEM, conversation_plans, pack_conversations, replay, targets, turn_ids
@@ -43,10 +43,10 @@ def ask(tok, question: str) -> list[int]:
     return tok.encode(tok.chat([{"role": "user", "content": question + ASK}]))
 
 
-def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str | None]:
-    """(how the answer stopped: "eos" or "max", the answer the grader extracts) of generated ids."""
-    stop = "eos" if ids[-1] in tok.eos_ids else "max"
-    return stop, extract_answer(tok.decode(ids), "####" in answer, stop)
+def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str, str | None]:
+    """(the generated text, how it stopped: "eos" or "max", the answer the grader extracts) of generated ids."""
+    text, stop = tok.decode(ids), "eos" if ids[-1] in tok.eos_ids else "max"
+    return text, stop, extract_answer(text, "####" in answer, stop)
 
 
 # -----------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str | None]:
 
 def model_of(args, lab: dict):
     if "model" not in lab:
-        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype)
+        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant)
     return lab["model"], lab["tok"]
 
 
@@ -140,10 +140,11 @@ def accuracy(args, job: dict, lab: dict) -> dict:
         kept = kept_share(run)
         outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
         for k, (r, ids) in enumerate(zip(batch, outs)):
-            stop, pred = answer_of(tok, ids, r["answer"])
+            text, stop, pred = answer_of(tok, ids, r["answer"])
             done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
                          "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
-                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred})
+                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred,
+                         "text_z": pack_text(text)})  # what was graded, for an audit or a regrade
         progress.save(per_problem=done)
     mean = lambda field: sum(p[field] for p in done) / len(done)
     return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
@@ -211,9 +212,10 @@ def perturbation(args, job: dict, lab: dict) -> dict:
 def model_settings(args) -> dict:
     """What the model computes on, in every row's key and the traces' key. note: the batch size too: batched matmuls
     may round differently in bf16 on a GPU."""
-    device, dtype = resolve_device(args.device, args.dtype)
+    device, dtype = resolve_device(args.device, args.dtype, args.quant)
+    # --quant only where given, so that the rows made before it existed (all exact) keep their keys
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size}
+            "batch_size": args.batch_size, **({"quant": args.quant} if args.quant else {})}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
@@ -370,7 +372,8 @@ def main(argv=None):
         else:
             load_data(args.data)  # fail on a bad file before loading the model
             if args.batch_size is None:
-                args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype)[0]).type == "cuda" else 16
+                args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype, args.quant)[0]).type == \
+                    "cuda" else 16
             lab, job_cost = {}, cost
             if args.cmd == "probe" and args.probe == "heads":
                 # the full cache (every head keeps the fact) first: whether the model recalls at all comes first

@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
     ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
                     "--show-kept (default: the middle layer) kept, per KV head, as JSON for `eval.py plot`")
-    ap.add_argument("--compare", action="store_true", help="also answer with the full cache and show where the "
+    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (with --quant: and the "
+                    "exact fp32 weights, whose speed it prints beside this run's) and show where the "
                     "two texts first differ")
     return ap
 
@@ -345,18 +346,24 @@ def check_sampling(temperature: float, top_p: float):
         raise UsageError(f"--top-p must be in (0, 1] (got {top_p})")
 
 
-def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6) -> str:
+def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6,
+               against: str = "the full cache") -> str:
     """What eviction changed: how many tokens agree with the full cache's, and the text either side of the first
     token where the two differ."""
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     same = sum(a == b for a, b in zip(ref, got)) / max(len(ref), len(got))
-    head = f"[compare] against the full cache: {same:.0%} of positions agree; "
+    head = f"[compare] against {against}: {same:.0%} of positions agree; "
     if n == len(ref) == len(got):
         return head + "the two answers are identical"
     before = " ".join(tok.decode(ref[:n]).split()[-words:])
     after = lambda ids: " ".join(tok.decode(ids[n:]).split()[:words]) or "(ends)"
     return (head + f"the first {n} tokens are identical, then\n  ...{before}\n"
             f"  {'full':>{len(policy)}} | {after(ref)}\n  {policy} | {after(got)}")
+
+
+def speed(ids: list[int], t: dict) -> str:
+    """Decode tokens/s of one answer: the first token comes with the prefill, so it counts the steps after it."""
+    return f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
 
 
 def run_cli(args):
@@ -374,10 +381,11 @@ def run_cli(args):
         raise UsageError(f"--kept-json {args.kept_json}: its folder does not exist; create it or write elsewhere")
     t0 = time.perf_counter()
     note("[load] reading the model ...")
-    model, tok = load(args.model, args.device, args.dtype)
+    model, tok = load(args.model, args.device, args.dtype, args.quant)
     cfg = model.cfg
     note(f"[load] {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
-         f"{cfg.num_key_value_heads} heads, {model.model.embed_tokens.weight.dtype} on {model.device} in "
+         f"{cfg.num_key_value_heads} heads, {args.quant or 'dense'} weights, {model.model.embed_tokens.weight.dtype} "
+         f"activations on {model.device} in "
          f"{time.perf_counter() - t0:.1f} s")
     prompt = tok.encode(tok.chat([{"role": "user", "content": args.prompt}]))
     limit = model.cfg.max_position_embeddings
@@ -407,20 +415,23 @@ def run_cli(args):
         with open(args.kept_json, "w") as f:
             json.dump(kept_map(cache, layer, run, args.policy), f)
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
-    if args.compare and run.budget is not None:
+    if args.compare and (run.budget is not None or args.quant):
+        # with --quant the reference is the exact path, fp32 weights and the full cache: what quantization and
+        # eviction changed together, and how much faster they decode
+        against, ref_model = ("the exact fp32 full cache", load(args.model, args.device, "float32")[0]) \
+            if args.quant else ("the full cache", model)
         full = make_run("full", None, args.buffer, None, len(prompt), args.seed)
         with tqdm(total=args.max_new_tokens, desc="[compare] full-cache answer", unit="tok", leave=False,
                   file=sys.stderr) as bar:
-            ref, _, tf = generate(model, [prompt], full, *sampling, on_token=lambda row, ids: bar.update(1))
-        note(f"[compare] full-cache answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
-             f"decode {tf['decode_s']:.1f} s")
-        print(divergence(tok, ref[0], ids, args.policy))
-    # the first token comes with the prefill: decode speed counts the steps after it
-    tps = f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
+            ref, _, tf = generate(ref_model, [prompt], full, *sampling, on_token=lambda row, ids: bar.update(1))
+        note(f"[compare] full-cache answer{' (exact fp32)' if args.quant else ''}: {len(ref[0])} tokens, prefill "
+             f"{tf['prefill_s']:.1f} s, decode {tf['decode_s']:.1f} s, {speed(ref[0], tf)} tok/s")
+        print(divergence(tok, ref[0], ids, args.policy, against=against))
     n_ev, ms = run.evictions, run.evict_s * 1e3
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
-    print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {tps} tok/s | "
+    K += f" {args.quant}" if args.quant else ""
+    print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
           f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak_memory_mb(model.device):.0f} MB")
 
 

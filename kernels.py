@@ -1,8 +1,9 @@
 """
 Triton kernels for nanokv, each beside a plain-torch reference with the same signature and a dispatcher:
 Triton for CUDA tensors when triton imports, else the reference (the production path on CPU).
-linear, rms_norm and rope run in every layer; window_attn_mass is the scorer that SnapKV, VASE, CriticalKV, R-KV
-and H2O share: the softmax attention of a window of queries over the cache, summed per key.
+linear (fp32, bf16, int8 or int4 weights), rms_norm and rope run in every layer; window_attn_mass is the scorer
+that SnapKV, VASE, CriticalKV, R-KV and H2O share: the softmax attention of a window of queries over the cache,
+summed per key.
 Left out: backward passes, autotuning, and a fused attention for the forward pass (model.py uses SDPA).
 References: Triton tutorials 02, 05 and 06 (softmax, layer norm, fused attention);
 SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
@@ -10,7 +11,10 @@ SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
 
 from __future__ import annotations  # lets the kernels' tl.constexpr annotations parse without triton
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:
@@ -29,24 +33,75 @@ def _jit(fn):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The matmul of every layer, x @ w.T for an HF-shaped weight w [out, in]. No Triton here: the dispatch rule is the
-# point. On CPU in fp32 we call numpy's BLAS (OpenBLAS): on the small matrices of a decode step it reads the weights
-# 1.3x (one row) to 2x (4-16 rows) faster than torch's MKL on the AMD CPUs we measured (README, "Batch-1 decode
-# beside llama.cpp").
-# subtle: only while torch itself runs one thread (generate.cpu_threads). OpenBLAS brings its own thread pool, and
-# two pools busy-waiting on the same cores fight: decode fell from 16 to 3.4 tokens/s when both had 2 threads.
-# model.weight() stores w as the transpose of a contiguous [in, out] buffer, the layout both BLASes read fastest.
+# point, by the weight's kind:
+# - fp32 on CPU: numpy's BLAS (OpenBLAS). On the small matrices of a decode step it reads the weights 1.3x (one row)
+#   to 2x (4-16 rows) faster than torch's MKL on the AMD CPUs we measured (RESULTS.md, "Batch-1 decode beside
+#   llama.cpp"). subtle: only while torch itself runs one thread (cli.cpu_threads). OpenBLAS brings its own thread
+#   pool, and two pools busy-waiting on the same cores fight: decode fell from 16 to 3.4 tokens/s when both had 2.
+#   model.weight() stores an fp32 CPU weight as the transpose of a contiguous [in, out] buffer, the layout both
+#   BLASes read fastest.
+# - bf16 (or fp32 with torch's threads): F.linear on a contiguous [out, in] weight, oneDNN's layout, 1.2-1.7x faster
+#   than the transposed view (RESULTS.md, "Decode the weights as they ship").
+# - QuantWeight: weight-only int8 or int4, torch's CPU kernels; the activations keep their dtype (quant.py makes them).
+# - a tuple of weights: row blocks of one fused matrix that could not share a kind (e.g. q and k stored as 4-bit
+#   blocks, v as 6-bit ones): their outputs are concatenated.
+
+GROUP = 32  # int4 group size: a GGUF 4-bit block's 32 values share one scale and one offset
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w.T -> [..., out] for a weight w [out, in], or for a stack of them w [..., out, in] that pairs
-    with x's leading dims (e.g. R-KV's key-key similarity k @ k.T of every head)."""
+@dataclass
+class QuantWeight:
+    """A weight-only quantized [out, in] matrix, the two formats torch's CPU kernels run. int8: one scale per output
+    row, w = q * scale. int4: groups of GROUP inputs, w = (q - 8) * scale + zero with q in 0..15 (a GGUF Q4_K or Q4_1
+    block exactly, up to the rounding of scale and zero to the activations' dtype). Scales are in that dtype."""
+
+    kind: str  # "int8" or "int4"
+    data: Tensor  # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8
+    scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero)
+    shape: tuple  # (out, in), as the HF weight
+    dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, made on first use
+
+    @property
+    def nbytes(self) -> int:  # what a matmul reads
+        return self.data.nbytes + self.scales.nbytes
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [M, in], contiguous, in the scales' dtype -> [M, out]."""
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
+
+
+def linear(x: Tensor, w) -> Tensor:
+    """x [..., in] @ w.T -> [..., out] for a weight w [out, in] of any kind above, or for a stack of dense ones
+    w [..., out, in] that pairs with x's leading dims (e.g. R-KV's key-key similarity k @ k.T of every head)."""
+    if isinstance(w, tuple):  # row blocks of different kinds
+        return torch.cat([linear(x, part) for part in w], -1)
+    if isinstance(w, QuantWeight):  # the kernels take one 2-D contiguous matrix of rows
+        return w.matmul(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], w.shape[0])
     if x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and torch.get_num_threads() == 1:
         if w.dim() > 2:  # one BLAS call per matrix of the stack
             return torch.from_numpy(x.numpy() @ w.numpy().swapaxes(-1, -2))
         # numpy views of both (no copy); one BLAS call for every row of every batch row
         y = x.numpy().reshape(-1, x.shape[-1]) @ w.numpy().T
         return torch.from_numpy(y).view(*x.shape[:-1], w.shape[0])
+    if w.dim() == 2 and w.is_contiguous():
+        return F.linear(x, w)
     return x @ w.transpose(-1, -2)
+
+
+def dense(w) -> Tensor:
+    """The weight w [out, in] as one dense tensor, for the few readers of a weight's entries (CriticalKV's
+    ||V W_O||, the perturbation probe). A quantized one is run through its own kernel on the identity matrix once,
+    so it is exactly the matrix linear() multiplies by (in the activations' dtype), and kept."""
+    if isinstance(w, tuple):
+        return torch.cat([dense(part) for part in w])
+    if not isinstance(w, QuantWeight):
+        return w
+    if w.dense_cache is None:
+        eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
+        w.dense_cache = w.matmul(eye).T  # [out, in]
+    return w.dense_cache
 
 
 # ----------------------------------------------------------------------------------------------------------------

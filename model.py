@@ -10,6 +10,7 @@ the HF `modeling_llama.py` key names and `modeling_rope_utils.py` formulas, YaRN
 gpt-fast and nano-vllm.
 """
 
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
+from quant import SIDE, quantize
 
 # -----------------------------------------------------------------------------
 # RoPE
@@ -74,12 +76,12 @@ def rope_cos_sin(inv_freq: Tensor, scale: float, pos: Tensor) -> tuple[Tensor, T
 
 
 def weight(rows: int, cols: int, device="cpu", dtype=torch.float32) -> Tensor:
-    """An HF-shaped [rows, cols] weight, i.e. [out, in]. The one layout rule: on CPU we store it transposed,
-    as a contiguous [in, out] buffer seen through a transposed view, because torch's matrix-vector product reads
-    that layout faster than [out, in] (decode is a matrix-vector product per weight). The view keeps HF's names
-    and shapes for loading; kernels.linear computes x @ w.T, which is x @ buffer. CUDA's GEMMs take either layout
-    at full speed, so there we keep [out, in]."""
-    if torch.device(device).type == "cpu":
+    """An HF-shaped [rows, cols] weight, i.e. [out, in]. The one layout rule: an fp32 weight on CPU is stored
+    transposed, as a contiguous [in, out] buffer seen through a transposed view, the layout numpy's BLAS reads
+    fastest (decode is a matrix-vector product per weight). The view keeps HF's names and shapes for loading;
+    kernels.linear computes x @ w.T, which is x @ buffer. bf16 on CPU (oneDNN) and CUDA's GEMMs read [out, in]
+    fastest, so there we keep it."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
         return torch.empty(cols, rows, device=device, dtype=dtype).T
     return torch.empty(rows, cols, device=device, dtype=dtype)
 
@@ -93,10 +95,11 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
 
-def fused(rows: list[int], cols: int, bias: bool, **kw) -> tuple[Tensor, Tensor | None, list[Linear]]:
+def fused(rows: list[int], cols: int, bias: bool, kw: dict, mat: dict) -> tuple[Tensor, Tensor | None, list[Linear]]:
     """One [sum(rows), cols] weight whose row blocks are the HF-named Linear weights (views, no copy).
-    e.g. q/k/v: decode then does one matmul instead of three; loading still copies by name."""
-    w = weight(sum(rows), cols, **kw)
+    e.g. q/k/v: decode then does one matmul instead of three; loading still copies by name.
+    kw: device and dtype of the bias; mat: of the matrix (see Transformer)."""
+    w = weight(sum(rows), cols, **mat)
     b = torch.zeros(sum(rows), **kw) if bias else None
     starts = [sum(rows[:i]) for i in range(len(rows))]
     parts = [Linear(w[o : o + n], None if b is None else b[o : o + n]) for o, n in zip(starts, rows)]
@@ -134,16 +137,16 @@ def eager_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, **kw):
+    def __init__(self, cfg: ModelConfig, layer: int, kw: dict, mat: dict):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else 0
         self.eager = False  # set by Transformer.eager
         H_q, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.wqkv, self.bqkv, (self.q_proj, self.k_proj, self.v_proj) = fused(
-            [H_q * D, H_kv * D, H_kv * D], cfg.hidden_size, cfg.qkv_bias, **kw
+            [H_q * D, H_kv * D, H_kv * D], cfg.hidden_size, cfg.qkv_bias, kw, mat
         )
-        self.o_proj = Linear(weight(cfg.hidden_size, H_q * D, **kw))
+        self.o_proj = Linear(weight(cfg.hidden_size, H_q * D, **mat))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **kw)
@@ -184,11 +187,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, kw: dict, mat: dict):
         super().__init__()
         I = cfg.intermediate_size
-        self.w13, _, (self.gate_proj, self.up_proj) = fused([I, I], cfg.hidden_size, False, **kw)
-        self.down_proj = Linear(weight(cfg.hidden_size, I, **kw))
+        self.w13, _, (self.gate_proj, self.up_proj) = fused([I, I], cfg.hidden_size, False, kw, mat)
+        self.down_proj = Linear(weight(cfg.hidden_size, I, **mat))
         self.act = ACTIVATIONS[cfg.hidden_act]  # SiLU (SwiGLU) in most configs; hidden_act may name GELU or ReLU
 
     def forward(self, x: Tensor) -> Tensor:
@@ -197,22 +200,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, **kw):
+    def __init__(self, cfg: ModelConfig, layer: int, kw: dict, mat: dict):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, layer, **kw)
+        self.self_attn = Attention(cfg, layer, kw, mat)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, **kw)
+        self.mlp = MLP(cfg, kw, mat)
 
 
 class Inner(nn.Module):  # the HF "model." prefix
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, kw: dict, mat: dict):
         super().__init__()
         # tied: the table is also the LM head's weight, so it takes the matmul layout (a lookup reads either)
         table = weight(cfg.vocab_size, cfg.hidden_size, **kw) if cfg.tie_word_embeddings else \
             torch.empty(cfg.vocab_size, cfg.hidden_size, **kw)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
-        self.layers = nn.ModuleList([Block(cfg, i, **kw) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i, kw, mat) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
 
@@ -225,12 +228,16 @@ class Output:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype=torch.float32, quant: str | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.quant = cfg, quant
         kw = dict(device=device, dtype=dtype)
-        self.model = Inner(cfg, **kw)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(weight(cfg.vocab_size, cfg.hidden_size, **kw))
+        # with --quant, quant.py fills in every matrix after loading: until then they are placeholders that take no
+        # memory, and a tied LM head gets a matrix of its own (the embedding table stays a dense lookup)
+        mat = dict(kw, device="meta") if quant else kw
+        self.model = Inner(cfg, kw, mat)
+        self.lm_head = None if cfg.tie_word_embeddings and not quant else \
+            Linear(weight(cfg.vocab_size, cfg.hidden_size, **mat))
         inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.inv_freq = inv_freq.to(device)  # fp64, not a parameter: derived from the config, never loaded
 
@@ -246,6 +253,19 @@ class Transformer(nn.Module):
     @property
     def device(self):
         return self.model.embed_tokens.weight.device
+
+    def matrices(self):
+        """(owner, attribute, HF names of its row blocks) for every matrix the forward multiplies by: what quant.py
+        fills in, and what each decode step reads in full (bench's roofline)."""
+        for i, blk in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            yield blk.self_attn, "wqkv", [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+            yield blk.self_attn.o_proj, "weight", [f"{p}self_attn.o_proj.weight"]
+            yield blk.mlp, "w13", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            yield blk.mlp.down_proj, "weight", [f"{p}mlp.down_proj.weight"]
+        tied = self.cfg.tie_word_embeddings
+        yield (self.model.embed_tokens if self.lm_head is None else self.lm_head), "weight", \
+            ["model.embed_tokens.weight" if tied else "lm_head.weight"]
 
     def forward(self, tokens: Tensor, cache, n: list[int] | None = None, all_logits: bool = False,
                 collect: bool = False) -> Output:
@@ -308,9 +328,10 @@ def opened(file: Path):
         raise ModelError(f"corrupt safetensors file {file}: {e} (re-download or re-convert it)") from None
 
 
-def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
+def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str | None = None) -> Transformer:
     """Build the model for path's config.json and copy in its safetensors (single file or sharded). Every check
-    reads only the safetensors headers and a model on the meta device, so a mismatch stops before any allocation."""
+    reads only the safetensors headers and a model on the meta device, so a mismatch stops before any allocation.
+    quant ("int8" or "int4"): the matrices are made weight-only quantized, one at a time (quant.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"model directory {path} does not exist: pass --model a Hugging Face model directory")
@@ -335,12 +356,39 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32) -> Transform
     if missing:
         raise ModelError(f"tensor {missing[0]} missing from the checkpoint in {path} ({len(missing)} missing in all): "
                          "the weights do not match config.json")
-    model = Transformer(cfg, device, dtype)
+    model = Transformer(cfg, device, dtype, quant)
     params = dict(model.named_parameters())
     for file in files:
         with opened(file) as f:
             for name in f.keys():
-                if name in params:
+                if name in params and not params[name].is_meta:  # a matrix to quantize is a placeholder
                     params[name].copy_(f.get_tensor(name))
+    if quant:
+        quantize(model, quant, Checkpoint(path, shapes))
     return model.eval()
 
+
+class Checkpoint:
+    """A checkpoint's tensors by HF name, read one at a time, for quant.py; and what weights.py kept beside a model it
+    converted from a GGUF (quant.SIDE): the 4-bit matrices' codes, scales and offsets, and every tensor's GGUF type."""
+
+    def __init__(self, path: Path, shapes: dict):
+        self.path, self.shapes, self.side = path, shapes, path / SIDE  # shapes: name -> (file name, shape)
+        self.types, self.kept = {}, set()
+        if self.side.is_file():
+            with opened(self.side) as f:
+                self.types = json.loads((f.metadata() or {}).get("gguf_types", "{}"))
+                self.kept = {k.rsplit(".", 1)[0] for k in f.keys()}
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.shapes[name][1])
+
+    def read(self, name: str) -> Tensor:
+        with opened(self.path / self.shapes[name][0]) as f:
+            return f.get_tensor(name)
+
+    def blocks(self, name: str) -> dict | None:
+        if name not in self.kept:
+            return None
+        with opened(self.side) as f:
+            return {part: f.get_tensor(f"{name}.{part}") for part in ("q", "scale", "offset")}

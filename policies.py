@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import linear, window_attn_mass
+from kernels import dense, linear, window_attn_mass
 
 BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for protected slots
 N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected (generate.make_run)
@@ -37,7 +37,7 @@ class ScoreCtx:
     protected: Tensor  # [B, H_kv, S] bool: slots cache.evict will keep whatever we say (prompt/sinks, recent)
     queries: Tensor  # [B, H_q, w, D] the ring of the last w post-RoPE queries
     q_pos: Tensor  # [B, w] their positions, -1 = empty
-    wo: Tensor  # [hidden, H_q * D] this layer's o_proj weight
+    wo: object  # [hidden, H_q * D] this layer's o_proj weight, of any kind (kernels.dense)
     side: dict  # per-slot side state, name -> [B, H_kv, S]
     all_kv: tuple  # (k, v) of every layer, [L, B, H_kv, S, D]; for scorers that pool over layers
     cfg: object  # ModelConfig
@@ -225,6 +225,7 @@ def value_norms(values: Tensor, wo: Tensor) -> Tensor:
     """||V_h W_O,h||_1: how far each value moves the layer output, through each query head's slice of
     o_proj, L1 over the hidden size, mean over the query heads of its group. values [B, H_kv, S, D] -> [B, H_kv, S]."""
     H_kv, D = values.shape[1], values.shape[3]
+    wo = dense(wo)  # a quantized o_proj as the forward multiplies by it
     # query head h reads KV head h // n_rep through its own D rows of wo.T [H_q * D, hidden], so a group's heads
     # are a stack [n_rep, D, hidden] (a view, in either weight layout)
     w = wo.T.reshape(H_kv, -1, D, wo.shape[0])  # [H_kv, n_rep, D, hidden]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from cache import FREE
 from generate import feed, make_cache, make_run
+from kernels import dense
 from traces import turn_ids
 
 
@@ -166,7 +167,7 @@ def head_perturbation(model, traces: list[dict], run_of) -> dict:
     attention head, means over rounds (None where no round was measured)."""
     cfg = model.cfg
     L, H_kv, H_q, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-    wo = [blk.self_attn.o_proj.weight for blk in model.model.layers]
+    wo = [dense(blk.self_attn.o_proj.weight) for blk in model.model.layers]  # [hidden, H_q * D] each
     sums = {"window": torch.zeros(L, H_q), "next": torch.zeros(L, H_q)}
     counts = {"window": 0, "next": 0}
 

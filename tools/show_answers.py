@@ -48,7 +48,7 @@ def main():
     old = stored(args.row, args.data, args.max_new_tokens) if args.row else {}
     for i, ids in zip(idx, outs):
         r, text = rows[i], tok.decode(ids)
-        stop, pred = answer_of(tok, ids, r["answer"])
+        _, stop, pred = answer_of(tok, ids, r["answer"])
         gold = r["answer"].split("####")[-1].strip()
         print(f"\n=== problem {i}: {len(ids)} tokens, stopped at {stop} ===\n{r['question'][:300]}\n--- answer's end ---\n"
               f"...{text[-args.tail:]}\n--- extracted {pred!r} | dataset {gold!r} | "

@@ -1,0 +1,98 @@
+"""
+Weight-only quantization: which matrices of a checkpoint run as int8 or int4 (kernels.QuantWeight), and how their
+numbers get there.
+
+    python generate.py --model qwen2.5-coder-1.5b --quant int4 --policy criticalkv --compare
+
+Batch-1 decode reads every weight once per token, so on a CPU it runs at the memory's speed, and fewer bytes per
+weight is what makes it faster (RESULTS.md, "Decode the weights as they ship"). Two sources of numbers:
+- A model that weights.py converted from a GGUF keeps the GGUF's 4-bit blocks beside it (SIDE). A Q4_K or Q4_1 block
+  of 32 values is already an int4 group, w = q * scale + offset with q in 0..15, so --quant int4 runs the file's own
+  numbers. The side file also records every tensor's GGUF type: the wider types (Q5_0, Q6_K, Q8_0) become int8, one
+  scale per output row, half the bytes of bf16 (the measured error of each choice is in RESULTS.md).
+- Any other checkpoint is quantized on load, as gpt-fast does: int8 per output row, int4 per group of 32 by the
+  group's min and max.
+--quant int8 makes every matrix int8 from its values. The embedding table stays a dense lookup (one row a token), and
+norms and biases stay dense too, all in the activations' dtype.
+Left out: int4 on CUDA (torch's CUDA kernel takes another packing: refused), activation quantization, a quantized
+KV cache.
+"""
+
+import torch
+from torch import Tensor
+
+from kernels import GROUP, QuantWeight
+
+SIDE = "model.int4.safetensors"  # weights.py: the 4-bit blocks of a converted GGUF, and every tensor's GGUF type
+INT4_TYPES = ("Q4_K", "Q4_1")  # GGUF block types that are int4 groups of 32 as they are
+DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized in the GGUF: quantized on load, as a Hugging Face checkpoint
+
+
+def plan(quant: str, gguf_type: str | None, shape: tuple) -> str:
+    """What --quant makes of one [out, in] matrix: "int4" or "int8". int4 keeps 4-bit blocks as they are and
+    quantizes full-precision matrices group-wise; a block type of more bits is not cut to 4 (int8 keeps it closer).
+    torch's int4 packing needs out % 16 == 0 and whole groups: other shapes take int8."""
+    out, inp = shape
+    fits = out % 16 == 0 and inp % GROUP == 0
+    if quant == "int4" and fits and (gguf_type is None or gguf_type in INT4_TYPES + DENSE_TYPES):
+        return "int4"
+    return "int8"
+
+
+def int8_rows(w: Tensor, dtype: torch.dtype) -> QuantWeight:
+    """Symmetric int8 with one scale per output row: q = round(w / s), s = max |w_row| / 127."""
+    w = w.float()
+    s = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row stays zero
+    q = (w / s[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+    return QuantWeight("int8", q, s.to(dtype), tuple(w.shape))
+
+
+def minmax_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """int4 codes for a dense w [out, in]: each group of 32 inputs spans its min .. max in 15 steps (gpt-fast's
+    asymmetric scheme). Returns q [out, in] in 0..15, scale and offset [out, in / 32], w ~ q * scale + offset."""
+    g = w.float().unflatten(1, (-1, GROUP))  # [out, in / 32, 32]
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # a constant group: q = 0, w = lo
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return q.flatten(1).to(torch.uint8), scale, lo
+
+
+def int4_groups(q: Tensor, scale: Tensor, offset: Tensor, dtype: torch.dtype) -> QuantWeight:
+    """Codes q [out, in] in 0..15 with w = q * scale + offset per group ([out, in / 32] each) -> the kernel's form,
+    w = (q - 8) * scale + zero with zero = offset + 8 * scale; (scale, zero) laid out [in / 32, out, 2]."""
+    zero = offset + 8 * scale  # fp32; each is rounded once, to the activations' dtype
+    scales = torch.stack([scale, zero], -1).transpose(0, 1).to(dtype).contiguous()
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return QuantWeight("int4", data, scales, tuple(q.shape))
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """[out, in / 2] uint8, two codes a byte, the even column in the low nibble (weights.pack_nibbles) -> [out, in]
+    in 0..15."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(1)
+
+
+def quantize(model, quant: str, ckpt):
+    """Fill in every matrix of the model (placeholders until now, model.Transformer) in its quantized form, one at a
+    time, from ckpt (model.Checkpoint: dense values, and the GGUF's 4-bit blocks and types where weights.py kept
+    them). Row blocks of one fused matrix (q/k/v, gate/up) that get the same kind are fused; else they stay a tuple
+    of parts, which kernels.linear concatenates."""
+    dtype = model.model.embed_tokens.weight.dtype  # the activations'
+    for owner, attr, names in model.matrices():
+        runs = []  # [kind, its row blocks: int4 (q, scale, offset) or int8 dense values] per run of one kind
+        for name in names:
+            kind = plan(quant, ckpt.types.get(name), ckpt.shape(name))
+            if kind == "int4":
+                kept = ckpt.blocks(name)  # the GGUF's own codes, else the values' min-max groups
+                item = (unpack_nibbles(kept["q"]), kept["scale"], kept["offset"]) if kept else minmax_groups(
+                    ckpt.read(name))
+            else:
+                item = ckpt.read(name)
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(item)
+            else:
+                runs.append([kind, [item]])
+        made = [int4_groups(*map(torch.cat, zip(*items)), dtype) if kind == "int4" else
+                int8_rows(torch.cat(items), dtype) for kind, items in runs]
+        owner._parameters.pop(attr, None)  # a Linear's weight was a Parameter: a plain attribute from now on
+        setattr(owner, attr, made[0] if len(made) == 1 else tuple(made))
