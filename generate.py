@@ -58,7 +58,10 @@ class Run:
     rounds: list[int] = field(default_factory=list)  # per row: eviction rounds so far
     evict_s: float = 0.0  # seconds spent evicting, all rows
     max_slots: int = 0  # most slots any row ever held
-    watch: Callable | None = None  # watch(cache, b, "before" | "after") around each eviction, untimed (eval.py)
+    # watch(cache, b, when, scores) around each eviction of batch row b, untimed (eval.py, viewer.py). when: "before",
+    # "scored" (no slot has moved yet; scores: row b's per layer, [H_kv or 1, S] each, as cache.evict will rank them)
+    # or "after"; scores is None but at "scored"
+    watch: Callable | None = None
 
     def __post_init__(self):
         self.ids = self.ids or list(range(len(self.prompt_len)))
@@ -130,7 +133,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     rows = cache.rows[b : b + n]  # their indices in the request: draws and state follow them, not their batch slots
     if run.watch:
         for i in range(b, b + n):
-            run.watch(cache, i, "before")
+            run.watch(cache, i, "before", None)
     t0 = time.perf_counter()
     S, r, dev = cache.length[b], slice(b, b + n), cache.k.device  # views into the cache, no copies
     all_kv = (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
@@ -154,6 +157,11 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
             s = s.masked_fill(pos <= next_pos - blk.self_attn.window, -float("inf"))
         scores.append(s)
         masks.append(protected)
+    if run.watch:  # untimed: the watcher sees what evict will rank while the scores still line up with cache.pos
+        run.evict_s += time.perf_counter() - t0
+        for i in range(b, b + n):
+            run.watch(cache, i, "scored", [s[i - b] for s in scores])
+        t0 = time.perf_counter()
     cache.evict(r, scores, masks, run.budget)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
@@ -162,7 +170,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     run.evict_s += time.perf_counter() - t0
     if run.watch:
         for i in range(b, b + n):
-            run.watch(cache, i, "after")
+            run.watch(cache, i, "after", None)
 
 
 def evict_due(model, cache: KVCache, run: Run):

@@ -192,7 +192,7 @@ def test_sliding_layers_evict_keys_past_the_window_first(tmp_path):
                                 max_window_layers=1))
     run = G.make_run("snapkv", 24, 4, False, 4)
     seen = []
-    run.watch = lambda cache, b, when: when == "after" and seen.append(
+    run.watch = lambda cache, b, when, scores: when == "after" and seen.append(
         (cache.next_pos[0], cache.pos[:, 0, :, : cache.length[0]].clone()))
     G.generate(model, [[1, 2, 3, 4]], run, 60)
     assert len(seen) > 5
