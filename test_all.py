@@ -1385,6 +1385,18 @@ def test_tokenizer_round_trip_and_chat_template(smollm):
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_token_bytes_split_characters(smollm, tiny_lab):
+    """Byte-level BPE (SmolLM2): each token's bytes, joined, are the text's UTF-8, a character split between tokens
+    included; a tokenizer without byte level (the tiny character tokenizer) gives each token's own text."""
+    tok = smollm[1]
+    text = "<|im_start|>温度 — “café”\n"
+    pieces = tok.token_bytes(tok.encode(text))
+    assert b"".join(pieces) == text.encode() and pieces[0] == b"<|im_start|>"
+    assert any(not p.decode("utf-8", "replace") == p.decode("utf-8", "ignore") for p in pieces)  # a split character
+    char = Tokenizer(tiny_lab.model)
+    assert char.token_bytes(char.encode("2 + <b>")) == [c.encode() for c in "2 + <b>"]
+
+
 def test_manifest_detects_damage(tmp_path, monkeypatch):
     """weights.py's manifest catches a truncated or overwritten file (size or sha256), and default_model_dir then
     names the command that repairs it."""
