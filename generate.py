@@ -10,9 +10,9 @@ row is the plain batch-1 decoder. Left out: rows joining a running batch (contin
 decoding, paged memory.
 
 Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
-(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); what one layer kept (`show_kept`, `kept_map`); the CLI
-(`build_parser`, `main`, `run_cli`, `divergence`). What every command line shares (devices, loading, one-line
-errors) is in cli.py.
+(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); the CLI (`build_parser`, `main`, `run_cli`,
+`divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what the cache kept,
+drawn (--show-kept's map, --kept-json), is in viewer.py.
 """
 
 import argparse
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+import viewer  # what the cache kept, drawn (--show-kept, --kept-json): the CLI's alone, never the loop's
 from cache import KVCache
 from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
 from model import ModelError
@@ -275,35 +276,6 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
 
 
 # -----------------------------------------------------------------------------
-# what one layer kept: a terminal map, or the positions as data (for `eval.py plot`)
-
-
-def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: int = 96) -> str:
-    """One row per KV head: each character covers `per` positions, shaded by the fraction of them kept."""
-    n = cache.next_pos[0]
-    per = -(-n // width)  # positions per character, rounded up
-    cols = -(-n // per)
-    pos = cache.pos[layer, 0, :, : cache.length[0]]  # [H_kv, S]
-    kept = torch.zeros(pos.shape[0], cols * per, device=pos.device).scatter_(1, pos, 1.0)
-    span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
-    frac = (kept.view(-1, cols, per).cpu() * span).sum(-1) / span.sum(-1)  # [H_kv, cols]
-    shade = lambda f: " " if f == 0 else "█" if f == 1 else "░▒▓"[min(2, int(f * 3))]
-    region = "".join("P" if c * per < prompt_len else "R" if (c + 1) * per > n - buffer else "T" for c in range(cols))
-    lines = [f"kept positions, layer {layer}: 1 char = {per} positions (P prompt, T trace, R recent buffer)",
-             f"         {region}"]
-    lines += [f"head {h:<3} " + "".join(shade(f) for f in row) for h, row in enumerate(frac.tolist())]
-    return "\n".join(lines)
-
-
-def kept_map(cache: KVCache, layer: int, run: Run, policy: str) -> dict:
-    """What show_kept draws, as data: the positions each KV head of `layer` holds (row 0), and where the prompt and
-    the recent buffer lie among the positions fed so far. `eval.py plot` draws it as an image."""
-    return {"kind": "kept", "policy": policy, "budget": run.budget, "buffer": run.buffer, "layer": layer,
-            "prompt_len": run.prompt_len[0], "positions": cache.next_pos[0],
-            "heads": cache.pos[layer, 0, :, : cache.length[0]].tolist()}  # [H_kv][S], in temporal order
-
-
-# -----------------------------------------------------------------------------
 # CLI
 
 
@@ -410,10 +382,10 @@ def run_cli(args):
     print()
     layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:
-        print(show_kept(cache, layer, len(prompt), run.buffer))
+        print(viewer.show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
         with open(args.kept_json, "w") as f:
-            json.dump(kept_map(cache, layer, run, args.policy), f)
+            json.dump(viewer.kept_map(cache, layer, run, args.policy), f)
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     if args.compare and run.budget is not None:
         full = make_run("full", None, args.buffer, None, len(prompt), args.seed)

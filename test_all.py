@@ -35,6 +35,7 @@ import results as R
 import stats
 import tasks as T
 import traces
+import viewer
 from cache import FREE
 from model import ModelConfig, ModelError, load_model
 from tokenizer import Tokenizer
@@ -973,7 +974,7 @@ def test_show_kept_map(tiny):
     """--show-kept draws one row per KV head, full where the prompt is protected and the buffer sits."""
     run = G.make_run("random", 16, 4, True, 6)
     _, cache, _ = G.generate(tiny, [list(range(1, 7))], run, 40)
-    lines = G.show_kept(cache, 1, 6, 4, width=46).splitlines()
+    lines = viewer.show_kept(cache, 1, 6, 4, width=46).splitlines()
     assert len(lines) == 2 + 2 and lines[1].strip().startswith("PPPPPP") and lines[1].strip().endswith("RRRR")
     assert lines[2][9:15] == "██████" and lines[2].endswith("████") and " " in lines[2][9:]
 
