@@ -2699,3 +2699,56 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
     assert (lines.index("| 0 | 0% | -5.00 | 0 / 2 | – |") < lines.index("| 1 | 50% | -4.00 | 0 / 2 | heads [1]: 100%, -1.00 |")
             < lines.index("| 2 | 100% | -3.00 | 2 / 2 | – |"))
     assert "question about 1500 tokens after the fact" in p.stdout
+
+
+# -----------------------------------------------------------------------------
+# the --html viewer: its recording of every round
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny):
+    """vase (per-head marks from its reserve) and the full cache, recorded on the same 12-token prompt: (prompt,
+    {name: (run, recording, answer, final cache)})."""
+    prompt, runs = list(range(1, 13)), {}
+    for name in ("vase", "full"):
+        run = G.make_run(name, None if name == "full" else 24, 4, None if name == "full" else False, len(prompt))
+        rec = viewer.Recording(run)
+        (ids,), cache, _ = G.generate(tiny, [prompt], run, 60)
+        runs[name] = (run, rec, ids, cache)
+    return prompt, runs
+
+
+def test_recording_last_round_is_the_final_cache(recorded, tiny):
+    """What the recording holds for the last round, plus the tokens fed since, is exactly what cache.pos holds at the
+    end, in every layer and KV head; each round kept the best-scored candidates by the scores it recorded; and the
+    scores >= BIG are vase's reserve: K/4 slots less the 4 sinks, 2 per head at K = 24."""
+    _, runs = recorded
+    run, rec, ids, cache = runs["vase"]
+    assert len(rec.rounds) == run.evictions > 5 and not runs["full"][1].rounds
+    last, end = rec.rounds[-1], cache.next_pos[0]
+    for l in range(tiny.cfg.num_hidden_layers):
+        for h in range(tiny.cfg.num_key_value_heads):
+            want = set(last.kept[l, h].nonzero()[:, 0].tolist()) | set(range(last.at, end))
+            assert want == set(cache.pos[l, 0, h, : cache.length[0]].tolist())
+    for r in rec.rounds:
+        cand = ~r.scores.isnan()  # [L, H_kv, at]: held before the round, less the sinks and the recent buffer
+        cand[..., : run.protect_below[0]] = cand[..., r.at - run.buffer :] = False
+        kept = r.scores.masked_fill(~(cand & r.kept), math.inf).amin(-1)
+        gone = r.scores.masked_fill(~(cand & ~r.kept), -math.inf).amax(-1)
+        assert (kept >= gone).all()  # top-k: no evicted candidate outscored a kept one
+        assert ((r.scores >= P.BIG) & r.kept).sum(-1).eq(24 // 4 - 4).all()
+        assert (r.kept.sum(-1) == 24).all() and r.kept[..., :4].all()  # the budget, the sinks
+
+
+@pytest.mark.parametrize("name,temperature", [("vase", 0.0), ("random", 0.8), ("epikv", 0.0)])
+def test_recording_does_not_change_the_tokens(tiny, name, temperature):
+    """A Recording watches; it changes nothing: the same tokens and evictions with and without it (a stochastic policy
+    and sampling included), and a one-set scorer (epikv) records the same positions in every head."""
+    outs = []
+    for record in (False, True):
+        run = G.make_run(name, 24, 4, None, 12, seed=7)
+        rec = viewer.Recording(run) if record else None
+        outs.append((G.generate(tiny, [list(range(1, 13))], run, 50, temperature=temperature)[0], run.evictions))
+    assert outs[0] == outs[1] and outs[0][1] > 3 and len(rec.rounds) == outs[0][1]
+    if name == "epikv":
+        assert all((r.kept == r.kept[:1, :1]).all() for r in rec.rounds)
