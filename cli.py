@@ -11,6 +11,7 @@ import argparse
 import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -125,6 +126,14 @@ def load(model_dir, device, dtype):
 
 # -----------------------------------------------------------------------------
 # output
+
+
+def check_output(flag: str, path: str | None):
+    """Refuse, before any work, an output file that cannot be written where it is named (None: no such output)."""
+    if path and Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder: name a file in it")
+    if path and not Path(path).resolve().parent.is_dir():
+        raise UsageError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
 
 
 def note(msg: str):

@@ -2,6 +2,7 @@
 Generate text with a KV-cache eviction policy: prefill, decode loop, eviction cadence, sampling, the CLI.
 
     python generate.py --policy criticalkv --show-kept
+    python generate.py --policy criticalkv --html kept.html    # then open kept.html in a browser
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
 slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
@@ -11,8 +12,9 @@ decoding, paged memory.
 
 Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
 (`evict_round`, `evict_due`, `feed`, `sample`, `generate`); the CLI (`build_parser`, `main`, `run_cli`,
-`divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what the cache kept,
-drawn (--show-kept's map, --kept-json), is in viewer.py.
+`compare_run`, `divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what
+the cache kept, drawn (--show-kept's map, --kept-json, the --html page that records every round through Run.watch),
+is in viewer.py.
 """
 
 import argparse
@@ -23,16 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-import viewer  # what the cache kept, drawn (--show-kept, --kept-json): the CLI's alone, never the loop's
+import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
 from cache import KVCache
-from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
+from cli import Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -301,8 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
     ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
                     "--show-kept (default: the middle layer) kept, per KV head, as JSON for `eval.py plot`")
-    ap.add_argument("--compare", action="store_true", help="also answer with the full cache and show where the "
-                    "two texts first differ")
+    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (or --vs) and show "
+                    "where the two texts first differ")
+    ap.add_argument("--vs", default=None, choices=sorted(POLICIES), metavar="POLICY", help="the policy --compare "
+                    "answers with (default full), at the same --budget, --buffer and --protect-prompt")
+    ap.add_argument("--html", default=None, metavar="FILE", help="write one self-contained page (open it in a "
+                    "browser) that replays every eviction round over the answer's text, per layer and KV head; with "
+                    "--compare, beside the other answer")
     return ap
 
 
@@ -325,18 +331,31 @@ def check_sampling(temperature: float, top_p: float):
         raise UsageError(f"--top-p must be in (0, 1] (got {top_p})")
 
 
-def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6) -> str:
-    """What eviction changed: how many tokens agree with the full cache's, and the text either side of the first
-    token where the two differ."""
+def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6, vs: str = "full") -> str:
+    """What eviction changed: how many tokens agree with the reference's (the full cache's, or policy vs's), and the
+    text either side of the first token where the two differ."""
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     same = sum(a == b for a, b in zip(ref, got)) / max(len(ref), len(got))
-    head = f"[compare] against the full cache: {same:.0%} of positions agree; "
+    head = f"[compare] against {'the full cache' if vs == 'full' else vs}: {same:.0%} of positions agree; "
     if n == len(ref) == len(got):
         return head + "the two answers are identical"
     before = " ".join(tok.decode(ref[:n]).split()[-words:])
     after = lambda ids: " ".join(tok.decode(ids[n:]).split()[:words]) or "(ends)"
+    w = max(len(policy), len(vs))
     return (head + f"the first {n} tokens are identical, then\n  ...{before}\n"
-            f"  {'full':>{len(policy)}} | {after(ref)}\n  {policy} | {after(got)}")
+            f"  {vs:>{w}} | {after(ref)}\n  {policy:>{w}} | {after(got)}")
+
+
+def compare_run(args, prompt_len: int) -> Run | None:
+    """The run --compare answers with: the full cache, or --vs at the same settings; None without --compare."""
+    vs = args.vs or "full"
+    if args.vs and not args.compare:
+        raise UsageError(f"--vs {args.vs} names the policy --compare answers with: add --compare")
+    if args.vs == args.policy:
+        raise UsageError(f"--vs {args.vs} is the --policy itself: compare it with another, e.g. --vs full")
+    if not args.compare or vs == args.policy:  # --policy full --compare: nothing to compare
+        return None
+    return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
 
 
 def run_cli(args):
@@ -350,8 +369,9 @@ def run_cli(args):
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
     make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
-    if args.kept_json and not Path(args.kept_json).resolve().parent.is_dir():
-        raise UsageError(f"--kept-json {args.kept_json}: its folder does not exist; create it or write elsewhere")
+    compare_run(args, 1)
+    check_output("--kept-json", args.kept_json)
+    check_output("--html", args.html)
     t0 = time.perf_counter()
     note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype)
@@ -365,10 +385,12 @@ def run_cli(args):
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {limit} positions: shorten the prompt or lower --max-new-tokens")
     run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed)
+    other, vs = compare_run(args, len(prompt)), args.vs or "full"
     L = model.cfg.num_hidden_layers
     if args.show_kept is not None and not -1 <= args.show_kept < L:
         raise UsageError(f"--show-kept {args.show_kept}: the model has layers 0 to {L - 1}")
 
+    rec = viewer.Recording(run) if args.html else None  # records every round through run.watch
     printed = [0]
 
     def stream(ids):  # print the new text (not the end-of-turn token), holding back a partial UTF-8 character
@@ -387,14 +409,21 @@ def run_cli(args):
         with open(args.kept_json, "w") as f:
             json.dump(viewer.kept_map(cache, layer, run, args.policy), f)
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
-    if args.compare and run.budget is not None:
-        full = make_run("full", None, args.buffer, None, len(prompt), args.seed)
-        with tqdm(total=args.max_new_tokens, desc="[compare] full-cache answer", unit="tok", leave=False,
+    views = [(args.policy, run, rec, ids)]
+    if other:
+        other_rec = viewer.Recording(other) if args.html else None
+        what = "full-cache" if vs == "full" else vs
+        with tqdm(total=args.max_new_tokens, desc=f"[compare] {what} answer", unit="tok", leave=False,
                   file=sys.stderr) as bar:
-            ref, _, tf = generate(model, [prompt], full, *sampling, on_token=lambda row, ids: bar.update(1))
-        note(f"[compare] full-cache answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
+            ref, _, tf = generate(model, [prompt], other, *sampling, on_token=lambda row, ids: bar.update(1))
+        note(f"[compare] {what} answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
              f"decode {tf['decode_s']:.1f} s")
-        print(divergence(tok, ref[0], ids, args.policy))
+        print(divergence(tok, ref[0], ids, args.policy, vs=vs))
+        views.append((vs, other, other_rec, ref[0]))
+    if args.html:
+        size = viewer.write(args.html, [viewer.view(name, r, rr, prompt, out, tok.token_bytes(prompt + out))
+                                        for name, r, rr, out in views], cfg, len(prompt))
+        note(f"[html] wrote {args.html} ({size / 1e6:.2f} MB): open it in a browser, no server needed")
     # the first token comes with the prefill: decode speed counts the steps after it
     tps = f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
     n_ev, ms = run.evictions, run.evict_s * 1e3

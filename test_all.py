@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU, fp32 only
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import Tensor
 
 import bench
 import cli
@@ -1161,6 +1163,12 @@ BAD_GENERATE = [
     (["--prompt", "\ud800"], "not valid UTF-8"),  # a lone surrogate
     (["--prompt", "  "], "--prompt is empty"),
     (["--kept-json", "/nonexistent-dir/kept.json"], "--kept-json /nonexistent-dir/kept.json: its folder does not"),
+    (["--html", "/nonexistent-dir/kept.html"], "--html /nonexistent-dir/kept.html: its folder does not exist"),
+    (["--html", HERE], f"--html {HERE} is a folder: name a file in it"),
+    (["--vs", "snapkv"], "--vs snapkv names the policy --compare answers with: add --compare"),
+    (["--policy", "snapkv", "--compare", "--vs", "snapkv"], "--vs snapkv is the --policy itself"),
+    (["--policy", "snapkv", "--compare", "--vs", "nope"], "invalid choice"),
+    (["--policy", "snapkv", "--compare", "--vs", "random", "--budget", "100"], "the protected prompt (54 tokens)"),
 ]
 
 
@@ -2702,7 +2710,12 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the --html viewer: its recording of every round
+# the --html viewer: the recording, the page's data, and the page in a real browser (Debian's chromium)
+
+CHROMIUM = "/usr/bin/chromium"  # .ci/run installs it when absent
+HOSTILE = [b"<script>document.documentElement.dataset.pwned = 1</script>", b"</script>", b"\"'`", b"\xff",
+           b"<img src=x onerror=\"document.documentElement.dataset.pwned = 2\">", b"\xe2\x80", b"\x9d", b"<!--",
+           b"&amp;"]  # if any of it ran as markup, <html> would carry data-pwned
 
 
 @pytest.fixture(scope="module")
@@ -2716,6 +2729,17 @@ def recorded(tiny):
         (ids,), cache, _ = G.generate(tiny, [prompt], run, 60)
         runs[name] = (run, rec, ids, cache)
     return prompt, runs
+
+
+def held_at(rec, step: int, prompt_len: int, fed: int) -> Tensor:
+    """[L, H_kv, fed] bool: what the recording says each layer and head holds after `step` decode steps."""
+    n = min(prompt_len + step, fed)
+    done = [r for r in rec.rounds if max(0, r.at - prompt_len) <= step]
+    out = torch.zeros(*rec.rounds[0].kept.shape[:2], fed, dtype=torch.bool)
+    out[..., :n] = True
+    if done:
+        out[..., : done[-1].at] = done[-1].kept
+    return out
 
 
 def test_recording_last_round_is_the_final_cache(recorded, tiny):
@@ -2752,3 +2776,158 @@ def test_recording_does_not_change_the_tokens(tiny, name, temperature):
     assert outs[0] == outs[1] and outs[0][1] > 3 and len(rec.rounds) == outs[0][1]
     if name == "epikv":
         assert all((r.kept == r.kept[:1, :1]).all() for r in rec.rounds)
+
+
+def test_token_texts_and_embedded_json():
+    """A character split across tokens shows with the token that completes it, invalid bytes as U+FFFD (the docstring's
+    case); the embedded JSON holds no <, >, & or U+2028 that could end the script or start markup, and reads back."""
+    assert viewer.token_texts([b"caf", b"\xc3", b"\xa9", b"\xff"]) == (["caf", "", "é", "\ufffd"],
+                                                                      {1: "c3", 2: "a9", 3: "ff"})
+    assert viewer.token_texts([b"a\xe2\x80"]) == (["a\ufffd"], {0: "61 e2 80"})  # cut short at the end
+    data = {"t": ["</script><!--", "a & b", "\u2028\u2029", "'\""]}
+    s = viewer.embed(data)
+    assert not set(s) & set("<>&\u2028\u2029") and s.isascii() and json.loads(s) == data
+
+
+def chromium(page, tmp_path, *flags) -> str:
+    """Open a page in headless chromium (off the network: no background fetches, no QUIC) and return its stdout; any
+    console message (a script error, a blocked fetch) fails the test."""
+    assert os.path.exists(CHROMIUM), "the viewer's tests need Debian's chromium: apt-get install -y chromium"
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"  # a fresh profile for every run
+    p = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *flags, page],
+                       capture_output=True, text=True, timeout=HANG)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ":CONSOLE" not in p.stderr, [l for l in p.stderr.splitlines() if ":CONSOLE" in l]
+    return p.stdout
+
+
+class Dom(HTMLParser):
+    """What the tests read of a dumped page: <html>'s attributes, the map's rows ((run, head) -> cell classes), the
+    text's spans in document order ([classes, data-held, text]), each tag's count, the text of each element by id."""
+
+    VOID = {"meta", "input", "br", "img", "hr", "link"}  # no end tag: never on the stack of open elements
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.root, self.rows, self.spans, self.tags, self.text, self.open = {}, {}, [], {}, {}, []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        if tag == "html":
+            self.root = a
+        if "maprow" in cls:
+            self.row = self.rows[(int(a["data-run"]), int(a["data-head"]))] = []
+        if tag == "i" and "data-p" in a:
+            self.row.append(a.get("class"))
+        span = tag == "span" and "t" in cls
+        if span:
+            self.spans.append([set(cls), int(a["data-held"]), ""])
+        if tag not in self.VOID:
+            self.open.append((a.get("id"), span))
+
+    def handle_endtag(self, tag):
+        if tag not in self.VOID:  # chromium writes every other end tag, so the stack stays in step
+            self.open.pop()
+
+    def handle_data(self, data):
+        for id_, span in self.open:
+            if id_:
+                self.text[id_] = self.text.get(id_, "") + data
+            if span:
+                self.spans[-1][2] += data
+
+
+def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_path):
+    """Opened at #step=N&layer=L&token=P, the page's map holds, head by head, exactly the positions the recording says
+    that layer holds after N decode steps (vase's reserve marked where its score was >= BIG, and nothing else), each
+    token's shading counts the (layer, head) slots that hold it, and the details list every layer."""
+    prompt, runs = recorded
+    views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
+             for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "kept.html"
+    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    run, rec, ids, _ = runs["vase"]
+    step, layer, fed = 26, 1, len(prompt) + len(ids) - 1
+    # between two rounds, so that the map also shows positions fed since the last one
+    assert any(r.at - len(prompt) < step < r2.at - len(prompt) for r, r2 in zip(rec.rounds, rec.rounds[1:]))
+    dom = Dom(chromium(page.as_uri() + f"#step={step}&layer={layer}&token=20", tmp_path, "--dump-dom"))
+    assert "data-errors" not in dom.root and f"decode step {step} of {fed - len(prompt)}" in dom.text["where"]
+    want = held_at(rec, step, len(prompt), fed)  # [L, H_kv, fed]
+    last = [r for r in rec.rounds if r.at - len(prompt) <= step][-1]
+    for h in range(tiny.cfg.num_key_value_heads):
+        cells = dom.rows[(0, h)]
+        assert len(cells) == len(prompt) + len(ids)
+        assert [c in "kvpb" for c in cells[:fed]] == want[layer, h].tolist() and set(cells[fed:]) <= {"f"}
+        marks = {p for p, c in enumerate(cells) if c == "v"}
+        assert marks == set(((last.scores[layer, h] >= P.BIG) & last.kept[layer, h]).nonzero()[:, 0].tolist())
+        now = len(prompt) + step  # positions fed by this step
+        assert len(marks) == 2 and dom.rows[(1, h)] == ["k"] * now + ["f"] * (len(cells) - now)  # the full cache
+    n = len(prompt) + len(ids)  # spans per run: the vase run's, then the full cache's
+    held = [s[1] for s in dom.spans]
+    assert len(held) == 2 * n and held[:fed] == want.sum((0, 1)).tolist() and held[n:] == [6] * now + [0] * (n - now)
+    cells = []  # the details of position 20: per layer and head, the step that evicted it, by now or later
+    for l in range(tiny.cfg.num_hidden_layers):
+        for h in range(tiny.cfg.num_key_value_heads):
+            gone = next((r.at - len(prompt) for r in rec.rounds if 20 < r.at and not r.kept[l, h, 20]), None)
+            cells.append("✓" if gone is None else f"✗ {gone}" if gone <= step else f"✓ to {gone}")
+    table = dom.text["details"].split("head 1")[-1]  # after the table's header
+    assert re.findall(r"✗ \d+|✓ to \d+|✓", table) == cells and any(c.startswith("✗") for c in cells)
+
+
+def test_viewer_shows_hostile_text_as_text(recorded, tiny, tmp_path):
+    """A model's output is untrusted: prompt and answer tokens that hold <script>, </script>, an <img onerror>, quotes,
+    a comment opener and bytes that are no UTF-8 show as text. No script of theirs runs (it would mark <html>), the
+    page still loads with no error, and a token's odd bytes are named in hex."""
+    prompt, runs = recorded
+    n = len(prompt) + len(runs["vase"][2])
+    pieces = [HOSTILE[i % len(HOSTILE)] for i in range(n)]
+    views = [viewer.view(name, run, rec, prompt, ids, pieces) for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "hostile.html"
+    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    ff = HOSTILE.index(b"\xff") + len(HOSTILE)  # an answer token
+    dom = Dom(chromium(page.as_uri() + f"#token={ff}", tmp_path, "--dump-dom"))
+    assert "data-pwned" not in dom.root and "data-errors" not in dom.root
+    assert dom.tags["script"] == 3 and "img" not in dom.tags  # the page's own three scripts, no element of theirs
+    texts = viewer.token_texts(pieces)[0]
+    assert [s[2] for s in dom.spans] == texts * 2 and "\ufffd" in texts and "\u201d" in texts  # U+FFFD; a split ”
+    assert any("<script>document" in t for t in texts) and "bytes ff (no UTF-8 text alone)" in dom.text["details"]
+
+
+@pytest.fixture(scope="module")
+def cli_page(tiny_lab, tmp_path_factory):
+    """`generate.py --html` on the tiny model with a hostile prompt, vase against snapkv (--compare --vs): the page."""
+    page = tmp_path_factory.mktemp("html") / "kept.html"
+    G.main(["--model", tiny_lab.model, "--policy", "vase", "--budget", "16", "--buffer", "4", "--max-new-tokens", "60",
+            "--prompt", "Say <script>alert(1)</script> and \"</script>\" & 'done'", "--compare", "--vs", "snapkv",
+            "--html", str(page)])
+    return page
+
+
+def test_html_page_loads_offline_and_draws(cli_page, tmp_path, capsys):
+    """The page of a real run loads with no console error; it shows both policies' maps and texts; nothing in it
+    would be fetched (no URL, src, href, url() or import outside the data, and a policy forbids any fetch); and a
+    screenshot shows the drawn page, not a blank one."""
+    from PIL import Image
+
+    html = cli_page.read_text()
+    data = html.index('<script type="application/json"')
+    outside = html[:data] + html[html.index("</script>", data) :]  # the page less its data (the text may hold URLs)
+    assert not re.search(r"(?i)\b(https?|ftp|wss?):|\bsrc\s*=|\bhref\s*=|url\(|@import|fetch\(|XMLHttpRequest", outside)
+    assert "default-src 'none'" in html and len(html) < 200_000
+    dom = Dom(chromium(cli_page.as_uri(), tmp_path, "--dump-dom"))
+    assert "data-errors" not in dom.root and {r for r, _ in dom.rows} == {0, 1} and len(dom.rows) == 4
+    assert "vase K=16 r=4" in dom.text["summary"] and "snapkv K=16 r=4" in dom.text["summary"]
+    assert "".join(s[2] for s in dom.spans).startswith("Say <script>alert(1)</script> and \"</script>\" & 'done'")
+    shot = tmp_path / "shot.png"
+    chromium(cli_page.as_uri() + "#step=20&layer=1&token=30", tmp_path, f"--screenshot={shot}",
+             "--window-size=1000,700")
+    with Image.open(shot) as im:
+        rgb = im.convert("RGB")
+        colors = rgb.getcolors(1 << 20)
+        assert im.size == (1000, 700) and len(colors) > 50  # text, map colours, shading: drawn
+        assert max(c for c, _ in colors) < 0.9 * 1000 * 700  # not one colour (the background) nearly everywhere
