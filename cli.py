@@ -13,6 +13,7 @@ import platform
 import resource
 import sys
 from contextlib import suppress
+from pathlib import Path
 
 import torch
 
@@ -166,6 +167,14 @@ def load(model_dir, device, dtype, quant: str | None = None):
 
 # -----------------------------------------------------------------------------
 # output
+
+
+def check_output(flag: str, path: str | None):
+    """Refuse, before any work, an output file that cannot be written where it is named (None: no such output)."""
+    if path and Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder: name a file in it")
+    if path and not Path(path).resolve().parent.is_dir():
+        raise UsageError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
 
 
 def note(msg: str):

@@ -159,7 +159,7 @@ def kept_share(run):
     is sampled but never fed, so n - 1 of its tokens reach the cache. 1.0 for a row that never evicted."""
     last = {}  # row -> (answer slots held after its last eviction, mean over layers and KV heads; its next position)
 
-    def watch(cache, b, when):
+    def watch(cache, b, when, scores):
         if when == "after":
             row, S = cache.rows[b], cache.length[b]
             held = (cache.pos[:, b, :, :S] >= run.prompt_len[row]).sum(-1).double().mean().item()  # [L, H_kv] -> mean

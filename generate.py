@@ -2,6 +2,7 @@
 Generate text with a KV-cache eviction policy: prefill, decode loop, eviction cadence, sampling, the CLI.
 
     python generate.py --policy criticalkv --show-kept
+    python generate.py --policy criticalkv --html kept.html    # then open kept.html in a browser
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
 slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
@@ -10,9 +11,10 @@ row is the plain batch-1 decoder. Left out: rows joining a running batch (contin
 decoding, paged memory.
 
 Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
-(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); what one layer kept (`show_kept`, `kept_map`); the CLI
-(`build_parser`, `main`, `run_cli`, `divergence`). What every command line shares (devices, loading, one-line
-errors) is in cli.py.
+(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); the CLI (`build_parser`, `main`, `run_cli`,
+`compare_run`, `divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what
+the cache kept, drawn (--show-kept's map, --kept-json, the --html page that records every round through Run.watch),
+is in viewer.py.
 """
 
 import argparse
@@ -23,15 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
+import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
 from cache import KVCache
-from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
+from cli import Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -58,7 +60,10 @@ class Run:
     rounds: list[int] = field(default_factory=list)  # per row: eviction rounds so far
     evict_s: float = 0.0  # seconds spent evicting, all rows
     max_slots: int = 0  # most slots any row ever held
-    watch: Callable | None = None  # watch(cache, b, "before" | "after") around each eviction, untimed (eval.py)
+    # watch(cache, b, when, scores) around each eviction of batch row b, untimed (eval.py, viewer.py). when: "before",
+    # "scored" (no slot has moved yet; scores: row b's per layer, [H_kv or 1, S] each, as cache.evict will rank them)
+    # or "after"; scores is None but at "scored"
+    watch: Callable | None = None
 
     def __post_init__(self):
         self.ids = self.ids or list(range(len(self.prompt_len)))
@@ -130,7 +135,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     rows = cache.rows[b : b + n]  # their indices in the request: draws and state follow them, not their batch slots
     if run.watch:
         for i in range(b, b + n):
-            run.watch(cache, i, "before")
+            run.watch(cache, i, "before", None)
     t0 = time.perf_counter()
     S, r, dev = cache.length[b], slice(b, b + n), cache.k.device  # views into the cache, no copies
     all_kv = (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
@@ -154,6 +159,11 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
             s = s.masked_fill(pos <= next_pos - blk.self_attn.window, -float("inf"))
         scores.append(s)
         masks.append(protected)
+    if run.watch:  # untimed: the watcher sees what evict will rank while the scores still line up with cache.pos
+        run.evict_s += time.perf_counter() - t0
+        for i in range(b, b + n):
+            run.watch(cache, i, "scored", [s[i - b] for s in scores])
+        t0 = time.perf_counter()
     cache.evict(r, scores, masks, run.budget)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
@@ -162,7 +172,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     run.evict_s += time.perf_counter() - t0
     if run.watch:
         for i in range(b, b + n):
-            run.watch(cache, i, "after")
+            run.watch(cache, i, "after", None)
 
 
 def evict_due(model, cache: KVCache, run: Run):
@@ -267,35 +277,6 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
 
 
 # -----------------------------------------------------------------------------
-# what one layer kept: a terminal map, or the positions as data (for `eval.py plot`)
-
-
-def show_kept(cache: KVCache, layer: int, prompt_len: int, buffer: int, width: int = 96) -> str:
-    """One row per KV head: each character covers `per` positions, shaded by the fraction of them kept."""
-    n = cache.next_pos[0]
-    per = -(-n // width)  # positions per character, rounded up
-    cols = -(-n // per)
-    pos = cache.pos[layer, 0, :, : cache.length[0]]  # [H_kv, S]
-    kept = torch.zeros(pos.shape[0], cols * per, device=pos.device).scatter_(1, pos, 1.0)
-    span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
-    frac = (kept.view(-1, cols, per).cpu() * span).sum(-1) / span.sum(-1)  # [H_kv, cols]
-    shade = lambda f: " " if f == 0 else "█" if f == 1 else "░▒▓"[min(2, int(f * 3))]
-    region = "".join("P" if c * per < prompt_len else "R" if (c + 1) * per > n - buffer else "T" for c in range(cols))
-    lines = [f"kept positions, layer {layer}: 1 char = {per} positions (P prompt, T trace, R recent buffer)",
-             f"         {region}"]
-    lines += [f"head {h:<3} " + "".join(shade(f) for f in row) for h, row in enumerate(frac.tolist())]
-    return "\n".join(lines)
-
-
-def kept_map(cache: KVCache, layer: int, run: Run, policy: str) -> dict:
-    """What show_kept draws, as data: the positions each KV head of `layer` holds (row 0), and where the prompt and
-    the recent buffer lie among the positions fed so far. `eval.py plot` draws it as an image."""
-    return {"kind": "kept", "policy": policy, "budget": run.budget, "buffer": run.buffer, "layer": layer,
-            "prompt_len": run.prompt_len[0], "positions": cache.next_pos[0],
-            "heads": cache.pos[layer, 0, :, : cache.length[0]].tolist()}  # [H_kv][S], in temporal order
-
-
-# -----------------------------------------------------------------------------
 # CLI
 
 
@@ -321,9 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
     ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
                     "--show-kept (default: the middle layer) kept, per KV head, as JSON for `eval.py plot`")
-    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (with --quant: and the "
-                    "exact fp32 weights, whose speed it prints beside this run's) and show where the "
-                    "two texts first differ")
+    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (or --vs) and show "
+                    "where the two texts first differ; with --quant that answer runs on the exact fp32 weights, and "
+                    "both speeds are printed")
+    ap.add_argument("--vs", default=None, choices=sorted(POLICIES), metavar="POLICY", help="the policy --compare "
+                    "answers with (default full), at the same --budget, --buffer and --protect-prompt")
+    ap.add_argument("--html", default=None, metavar="FILE", help="write one self-contained page (open it in a "
+                    "browser) that replays every eviction round over the answer's text, per layer and KV head; with "
+                    "--compare, beside the other answer")
     return ap
 
 
@@ -346,19 +332,32 @@ def check_sampling(temperature: float, top_p: float):
         raise UsageError(f"--top-p must be in (0, 1] (got {top_p})")
 
 
-def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6,
-               against: str = "the full cache") -> str:
-    """What eviction changed: how many tokens agree with the full cache's, and the text either side of the first
-    token where the two differ."""
+def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6, vs: str = "full") -> str:
+    """What eviction changed: how many tokens agree with the reference's (the full cache's, or policy vs's), and the
+    text either side of the first token where the two differ."""
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     same = sum(a == b for a, b in zip(ref, got)) / max(len(ref), len(got))
+    against = {"full": "the full cache", "full fp32": "the exact fp32 full cache"}.get(vs, vs)
     head = f"[compare] against {against}: {same:.0%} of positions agree; "
     if n == len(ref) == len(got):
         return head + "the two answers are identical"
     before = " ".join(tok.decode(ref[:n]).split()[-words:])
     after = lambda ids: " ".join(tok.decode(ids[n:]).split()[:words]) or "(ends)"
+    w = max(len(policy), len(vs))
     return (head + f"the first {n} tokens are identical, then\n  ...{before}\n"
-            f"  {'full':>{len(policy)}} | {after(ref)}\n  {policy} | {after(got)}")
+            f"  {vs:>{w}} | {after(ref)}\n  {policy:>{w}} | {after(got)}")
+
+
+def compare_run(args, prompt_len: int) -> Run | None:
+    """The run --compare answers with: the full cache, or --vs at the same settings; None without --compare."""
+    vs = args.vs or "full"
+    if args.vs and not args.compare:
+        raise UsageError(f"--vs {args.vs} names the policy --compare answers with: add --compare")
+    if args.vs == args.policy:
+        raise UsageError(f"--vs {args.vs} is the --policy itself: compare it with another, e.g. --vs full")
+    if not args.compare or vs == args.policy and not args.quant:  # --policy full --compare: nothing to compare
+        return None
+    return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
 
 
 def speed(ids: list[int], t: dict) -> str:
@@ -377,8 +376,9 @@ def run_cli(args):
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
     make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
-    if args.kept_json and not Path(args.kept_json).resolve().parent.is_dir():
-        raise UsageError(f"--kept-json {args.kept_json}: its folder does not exist; create it or write elsewhere")
+    compare_run(args, 1)
+    check_output("--kept-json", args.kept_json)
+    check_output("--html", args.html)
     t0 = time.perf_counter()
     note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype, args.quant)
@@ -393,10 +393,12 @@ def run_cli(args):
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {limit} positions: shorten the prompt or lower --max-new-tokens")
     run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed)
+    other, vs = compare_run(args, len(prompt)), args.vs or "full"
     L = model.cfg.num_hidden_layers
     if args.show_kept is not None and not -1 <= args.show_kept < L:
         raise UsageError(f"--show-kept {args.show_kept}: the model has layers 0 to {L - 1}")
 
+    rec = viewer.Recording(run) if args.html else None  # records every round through run.watch
     printed = [0]
 
     def stream(ids):  # print the new text (not the end-of-turn token), holding back a partial UTF-8 character
@@ -410,23 +412,29 @@ def run_cli(args):
     print()
     layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:
-        print(show_kept(cache, layer, len(prompt), run.buffer))
+        print(viewer.show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
         with open(args.kept_json, "w") as f:
-            json.dump(kept_map(cache, layer, run, args.policy), f)
+            json.dump(viewer.kept_map(cache, layer, run, args.policy), f)
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
-    if args.compare and (run.budget is not None or args.quant):
-        # with --quant the reference is the exact path, fp32 weights and the full cache: what quantization and
-        # eviction changed together, and how much faster they decode
-        against, ref_model = ("the exact fp32 full cache", load(args.model, args.device, "float32")[0]) \
-            if args.quant else ("the full cache", model)
-        full = make_run("full", None, args.buffer, None, len(prompt), args.seed)
-        with tqdm(total=args.max_new_tokens, desc="[compare] full-cache answer", unit="tok", leave=False,
+    views = [(args.policy, run, rec, ids)]
+    if other:
+        other_rec = viewer.Recording(other) if args.html else None
+        # with --quant the reference runs on the exact path, fp32 weights: what quantization and eviction changed
+        # together, and how much faster they decode
+        ref_model = load(args.model, args.device, "float32")[0] if args.quant else model
+        what = ("full-cache" if vs == "full" else vs) + (" (exact fp32)" if args.quant else "")
+        with tqdm(total=args.max_new_tokens, desc=f"[compare] {what} answer", unit="tok", leave=False,
                   file=sys.stderr) as bar:
-            ref, _, tf = generate(ref_model, [prompt], full, *sampling, on_token=lambda row, ids: bar.update(1))
-        note(f"[compare] full-cache answer{' (exact fp32)' if args.quant else ''}: {len(ref[0])} tokens, prefill "
-             f"{tf['prefill_s']:.1f} s, decode {tf['decode_s']:.1f} s, {speed(ref[0], tf)} tok/s")
-        print(divergence(tok, ref[0], ids, args.policy, against=against))
+            ref, _, tf = generate(ref_model, [prompt], other, *sampling, on_token=lambda row, ids: bar.update(1))
+        note(f"[compare] {what} answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
+             f"decode {tf['decode_s']:.1f} s, {speed(ref[0], tf)} tok/s")
+        print(divergence(tok, ref[0], ids, args.policy, vs=vs + (" fp32" if args.quant else "")))
+        views.append((vs, other, other_rec, ref[0]))
+    if args.html:
+        size = viewer.write(args.html, [viewer.view(name, r, rr, prompt, out, tok.token_bytes(prompt + out))
+                                        for name, r, rr, out in views], cfg, len(prompt))
+        note(f"[html] wrote {args.html} ({size / 1e6:.2f} MB): open it in a browser, no server needed")
     n_ev, ms = run.evictions, run.evict_s * 1e3
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"

@@ -189,7 +189,7 @@ def head_perturbation(model, traces: list[dict], run_of) -> dict:
         if inner:
             inner(cache, out, run)
 
-    def watch(cache, b, when):  # around each eviction round (untimed)
+    def watch(cache, b, when, scores):  # around each eviction round (untimed)
         if when == "before" and arch["evicted_at"] is not None:  # the r queries since the last round are all in
             measure(cache, "next", arch["evicted_at"])
         if when == "after":

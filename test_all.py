@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU, fp32 only
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import Tensor
 
 import bench
 import cli
@@ -35,6 +37,7 @@ import results as R
 import stats
 import tasks as T
 import traces
+import viewer
 from cache import FREE
 from model import ModelConfig, ModelError, load_model
 from tokenizer import Tokenizer
@@ -192,7 +195,7 @@ def test_sliding_layers_evict_keys_past_the_window_first(tmp_path):
                                 max_window_layers=1))
     run = G.make_run("snapkv", 24, 4, False, 4)
     seen = []
-    run.watch = lambda cache, b, when: when == "after" and seen.append(
+    run.watch = lambda cache, b, when, scores: when == "after" and seen.append(
         (cache.next_pos[0], cache.pos[:, 0, :, : cache.length[0]].clone()))
     G.generate(model, [[1, 2, 3, 4]], run, 60)
     assert len(seen) > 5
@@ -973,7 +976,7 @@ def test_show_kept_map(tiny):
     """--show-kept draws one row per KV head, full where the prompt is protected and the buffer sits."""
     run = G.make_run("random", 16, 4, True, 6)
     _, cache, _ = G.generate(tiny, [list(range(1, 7))], run, 40)
-    lines = G.show_kept(cache, 1, 6, 4, width=46).splitlines()
+    lines = viewer.show_kept(cache, 1, 6, 4, width=46).splitlines()
     assert len(lines) == 2 + 2 and lines[1].strip().startswith("PPPPPP") and lines[1].strip().endswith("RRRR")
     assert lines[2][9:15] == "██████" and lines[2].endswith("████") and " " in lines[2][9:]
 
@@ -1160,6 +1163,12 @@ BAD_GENERATE = [
     (["--prompt", "\ud800"], "not valid UTF-8"),  # a lone surrogate
     (["--prompt", "  "], "--prompt is empty"),
     (["--kept-json", "/nonexistent-dir/kept.json"], "--kept-json /nonexistent-dir/kept.json: its folder does not"),
+    (["--html", "/nonexistent-dir/kept.html"], "--html /nonexistent-dir/kept.html: its folder does not exist"),
+    (["--html", HERE], f"--html {HERE} is a folder: name a file in it"),
+    (["--vs", "snapkv"], "--vs snapkv names the policy --compare answers with: add --compare"),
+    (["--policy", "snapkv", "--compare", "--vs", "snapkv"], "--vs snapkv is the --policy itself"),
+    (["--policy", "snapkv", "--compare", "--vs", "nope"], "invalid choice"),
+    (["--policy", "snapkv", "--compare", "--vs", "random", "--budget", "100"], "the protected prompt (54 tokens)"),
 ]
 
 
@@ -1383,6 +1392,18 @@ def test_tokenizer_round_trip_and_chat_template(smollm):
     assert tok.chat([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_token_bytes_split_characters(smollm, tiny_lab):
+    """Byte-level BPE (SmolLM2): each token's bytes, joined, are the text's UTF-8, a character split between tokens
+    included; a tokenizer without byte level (the tiny character tokenizer) gives each token's own text."""
+    tok = smollm[1]
+    text = "<|im_start|>温度 — “café”\n"
+    pieces = tok.token_bytes(tok.encode(text))
+    assert b"".join(pieces) == text.encode() and pieces[0] == b"<|im_start|>"
+    assert any(not p.decode("utf-8", "replace") == p.decode("utf-8", "ignore") for p in pieces)  # a split character
+    char = Tokenizer(tiny_lab.model)
+    assert char.token_bytes(char.encode("2 + <b>")) == [c.encode() for c in "2 + <b>"]
 
 
 def test_manifest_detects_damage(tmp_path, monkeypatch):
@@ -2686,3 +2707,227 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
     assert (lines.index("| 0 | 0% | -5.00 | 0 / 2 | – |") < lines.index("| 1 | 50% | -4.00 | 0 / 2 | heads [1]: 100%, -1.00 |")
             < lines.index("| 2 | 100% | -3.00 | 2 / 2 | – |"))
     assert "question about 1500 tokens after the fact" in p.stdout
+
+
+# -----------------------------------------------------------------------------
+# the --html viewer: the recording, the page's data, and the page in a real browser (Debian's chromium)
+
+CHROMIUM = "/usr/bin/chromium"  # .ci/run installs it when absent
+HOSTILE = [b"<script>document.documentElement.dataset.pwned = 1</script>", b"</script>", b"\"'`", b"\xff",
+           b"<img src=x onerror=\"document.documentElement.dataset.pwned = 2\">", b"\xe2\x80", b"\x9d", b"<!--",
+           b"&amp;"]  # if any of it ran as markup, <html> would carry data-pwned
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny):
+    """vase (per-head marks from its reserve) and the full cache, recorded on the same 12-token prompt: (prompt,
+    {name: (run, recording, answer, final cache)})."""
+    prompt, runs = list(range(1, 13)), {}
+    for name in ("vase", "full"):
+        run = G.make_run(name, None if name == "full" else 24, 4, None if name == "full" else False, len(prompt))
+        rec = viewer.Recording(run)
+        (ids,), cache, _ = G.generate(tiny, [prompt], run, 60)
+        runs[name] = (run, rec, ids, cache)
+    return prompt, runs
+
+
+def held_at(rec, step: int, prompt_len: int, fed: int) -> Tensor:
+    """[L, H_kv, fed] bool: what the recording says each layer and head holds after `step` decode steps."""
+    n = min(prompt_len + step, fed)
+    done = [r for r in rec.rounds if max(0, r.at - prompt_len) <= step]
+    out = torch.zeros(*rec.rounds[0].kept.shape[:2], fed, dtype=torch.bool)
+    out[..., :n] = True
+    if done:
+        out[..., : done[-1].at] = done[-1].kept
+    return out
+
+
+def test_recording_last_round_is_the_final_cache(recorded, tiny):
+    """What the recording holds for the last round, plus the tokens fed since, is exactly what cache.pos holds at the
+    end, in every layer and KV head; each round kept the best-scored candidates by the scores it recorded; and the
+    scores >= BIG are vase's reserve: K/4 slots less the 4 sinks, 2 per head at K = 24."""
+    _, runs = recorded
+    run, rec, ids, cache = runs["vase"]
+    assert len(rec.rounds) == run.evictions > 5 and not runs["full"][1].rounds
+    last, end = rec.rounds[-1], cache.next_pos[0]
+    for l in range(tiny.cfg.num_hidden_layers):
+        for h in range(tiny.cfg.num_key_value_heads):
+            want = set(last.kept[l, h].nonzero()[:, 0].tolist()) | set(range(last.at, end))
+            assert want == set(cache.pos[l, 0, h, : cache.length[0]].tolist())
+    for r in rec.rounds:
+        cand = ~r.scores.isnan()  # [L, H_kv, at]: held before the round, less the sinks and the recent buffer
+        cand[..., : run.protect_below[0]] = cand[..., r.at - run.buffer :] = False
+        kept = r.scores.masked_fill(~(cand & r.kept), math.inf).amin(-1)
+        gone = r.scores.masked_fill(~(cand & ~r.kept), -math.inf).amax(-1)
+        assert (kept >= gone).all()  # top-k: no evicted candidate outscored a kept one
+        assert ((r.scores >= P.BIG) & r.kept).sum(-1).eq(24 // 4 - 4).all()
+        assert (r.kept.sum(-1) == 24).all() and r.kept[..., :4].all()  # the budget, the sinks
+
+
+@pytest.mark.parametrize("name,temperature", [("vase", 0.0), ("random", 0.8), ("epikv", 0.0)])
+def test_recording_does_not_change_the_tokens(tiny, name, temperature):
+    """A Recording watches; it changes nothing: the same tokens and evictions with and without it (a stochastic policy
+    and sampling included), and a one-set scorer (epikv) records the same positions in every head."""
+    outs = []
+    for record in (False, True):
+        run = G.make_run(name, 24, 4, None, 12, seed=7)
+        rec = viewer.Recording(run) if record else None
+        outs.append((G.generate(tiny, [list(range(1, 13))], run, 50, temperature=temperature)[0], run.evictions))
+    assert outs[0] == outs[1] and outs[0][1] > 3 and len(rec.rounds) == outs[0][1]
+    if name == "epikv":
+        assert all((r.kept == r.kept[:1, :1]).all() for r in rec.rounds)
+
+
+def test_token_texts_and_embedded_json():
+    """A character split across tokens shows with the token that completes it, invalid bytes as U+FFFD (the docstring's
+    case); the embedded JSON holds no <, >, & or U+2028 that could end the script or start markup, and reads back."""
+    assert viewer.token_texts([b"caf", b"\xc3", b"\xa9", b"\xff"]) == (["caf", "", "é", "\ufffd"],
+                                                                      {1: "c3", 2: "a9", 3: "ff"})
+    assert viewer.token_texts([b"a\xe2\x80"]) == (["a\ufffd"], {0: "61 e2 80"})  # cut short at the end
+    data = {"t": ["</script><!--", "a & b", "\u2028\u2029", "'\""]}
+    s = viewer.embed(data)
+    assert not set(s) & set("<>&\u2028\u2029") and s.isascii() and json.loads(s) == data
+
+
+def chromium(page, tmp_path, *flags) -> str:
+    """Open a page in headless chromium (off the network: no background fetches, no QUIC) and return its stdout; any
+    console message (a script error, a blocked fetch) fails the test."""
+    assert os.path.exists(CHROMIUM), "the viewer's tests need Debian's chromium: apt-get install -y chromium"
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"  # a fresh profile for every run
+    p = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *flags, page],
+                       capture_output=True, text=True, timeout=HANG)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ":CONSOLE" not in p.stderr, [l for l in p.stderr.splitlines() if ":CONSOLE" in l]
+    return p.stdout
+
+
+class Dom(HTMLParser):
+    """What the tests read of a dumped page: <html>'s attributes, the map's rows ((run, head) -> cell classes), the
+    text's spans in document order ([classes, data-held, text]), each tag's count, the text of each element by id."""
+
+    VOID = {"meta", "input", "br", "img", "hr", "link"}  # no end tag: never on the stack of open elements
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.root, self.rows, self.spans, self.tags, self.text, self.open = {}, {}, [], {}, {}, []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        if tag == "html":
+            self.root = a
+        if "maprow" in cls:
+            self.row = self.rows[(int(a["data-run"]), int(a["data-head"]))] = []
+        if tag == "i" and "data-p" in a:
+            self.row.append(a.get("class"))
+        span = tag == "span" and "t" in cls
+        if span:
+            self.spans.append([set(cls), int(a["data-held"]), ""])
+        if tag not in self.VOID:
+            self.open.append((a.get("id"), span))
+
+    def handle_endtag(self, tag):
+        if tag not in self.VOID:  # chromium writes every other end tag, so the stack stays in step
+            self.open.pop()
+
+    def handle_data(self, data):
+        for id_, span in self.open:
+            if id_:
+                self.text[id_] = self.text.get(id_, "") + data
+            if span:
+                self.spans[-1][2] += data
+
+
+def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_path):
+    """Opened at #step=N&layer=L&token=P, the page's map holds, head by head, exactly the positions the recording says
+    that layer holds after N decode steps (vase's reserve marked where its score was >= BIG, and nothing else), each
+    token's shading counts the (layer, head) slots that hold it, and the details list every layer."""
+    prompt, runs = recorded
+    views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
+             for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "kept.html"
+    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    run, rec, ids, _ = runs["vase"]
+    step, layer, fed = 26, 1, len(prompt) + len(ids) - 1
+    # between two rounds, so that the map also shows positions fed since the last one
+    assert any(r.at - len(prompt) < step < r2.at - len(prompt) for r, r2 in zip(rec.rounds, rec.rounds[1:]))
+    dom = Dom(chromium(page.as_uri() + f"#step={step}&layer={layer}&token=20", tmp_path, "--dump-dom"))
+    assert "data-errors" not in dom.root and f"decode step {step} of {fed - len(prompt)}" in dom.text["where"]
+    want = held_at(rec, step, len(prompt), fed)  # [L, H_kv, fed]
+    last = [r for r in rec.rounds if r.at - len(prompt) <= step][-1]
+    for h in range(tiny.cfg.num_key_value_heads):
+        cells = dom.rows[(0, h)]
+        assert len(cells) == len(prompt) + len(ids)
+        assert [c in "kvpb" for c in cells[:fed]] == want[layer, h].tolist() and set(cells[fed:]) <= {"f"}
+        marks = {p for p, c in enumerate(cells) if c == "v"}
+        assert marks == set(((last.scores[layer, h] >= P.BIG) & last.kept[layer, h]).nonzero()[:, 0].tolist())
+        now = len(prompt) + step  # positions fed by this step
+        assert len(marks) == 2 and dom.rows[(1, h)] == ["k"] * now + ["f"] * (len(cells) - now)  # the full cache
+    n = len(prompt) + len(ids)  # spans per run: the vase run's, then the full cache's
+    held = [s[1] for s in dom.spans]
+    assert len(held) == 2 * n and held[:fed] == want.sum((0, 1)).tolist() and held[n:] == [6] * now + [0] * (n - now)
+    cells = []  # the details of position 20: per layer and head, the step that evicted it, by now or later
+    for l in range(tiny.cfg.num_hidden_layers):
+        for h in range(tiny.cfg.num_key_value_heads):
+            gone = next((r.at - len(prompt) for r in rec.rounds if 20 < r.at and not r.kept[l, h, 20]), None)
+            cells.append("✓" if gone is None else f"✗ {gone}" if gone <= step else f"✓ to {gone}")
+    table = dom.text["details"].split("head 1")[-1]  # after the table's header
+    assert re.findall(r"✗ \d+|✓ to \d+|✓", table) == cells and any(c.startswith("✗") for c in cells)
+
+
+def test_viewer_shows_hostile_text_as_text(recorded, tiny, tmp_path):
+    """A model's output is untrusted: prompt and answer tokens that hold <script>, </script>, an <img onerror>, quotes,
+    a comment opener and bytes that are no UTF-8 show as text. No script of theirs runs (it would mark <html>), the
+    page still loads with no error, and a token's odd bytes are named in hex."""
+    prompt, runs = recorded
+    n = len(prompt) + len(runs["vase"][2])
+    pieces = [HOSTILE[i % len(HOSTILE)] for i in range(n)]
+    views = [viewer.view(name, run, rec, prompt, ids, pieces) for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "hostile.html"
+    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    ff = HOSTILE.index(b"\xff") + len(HOSTILE)  # an answer token
+    dom = Dom(chromium(page.as_uri() + f"#token={ff}", tmp_path, "--dump-dom"))
+    assert "data-pwned" not in dom.root and "data-errors" not in dom.root
+    assert dom.tags["script"] == 3 and "img" not in dom.tags  # the page's own three scripts, no element of theirs
+    texts = viewer.token_texts(pieces)[0]
+    assert [s[2] for s in dom.spans] == texts * 2 and "\ufffd" in texts and "\u201d" in texts  # U+FFFD; a split ”
+    assert any("<script>document" in t for t in texts) and "bytes ff (no UTF-8 text alone)" in dom.text["details"]
+
+
+@pytest.fixture(scope="module")
+def cli_page(tiny_lab, tmp_path_factory):
+    """`generate.py --html` on the tiny model with a hostile prompt, vase against snapkv (--compare --vs): the page."""
+    page = tmp_path_factory.mktemp("html") / "kept.html"
+    G.main(["--model", tiny_lab.model, "--policy", "vase", "--budget", "16", "--buffer", "4", "--max-new-tokens", "60",
+            "--prompt", "Say <script>alert(1)</script> and \"</script>\" & 'done'", "--compare", "--vs", "snapkv",
+            "--html", str(page)])
+    return page
+
+
+def test_html_page_loads_offline_and_draws(cli_page, tmp_path, capsys):
+    """The page of a real run loads with no console error; it shows both policies' maps and texts; nothing in it
+    would be fetched (no URL, src, href, url() or import outside the data, and a policy forbids any fetch); and a
+    screenshot shows the drawn page, not a blank one."""
+    from PIL import Image
+
+    html = cli_page.read_text()
+    data = html.index('<script type="application/json"')
+    outside = html[:data] + html[html.index("</script>", data) :]  # the page less its data (the text may hold URLs)
+    assert not re.search(r"(?i)\b(https?|ftp|wss?):|\bsrc\s*=|\bhref\s*=|url\(|@import|fetch\(|XMLHttpRequest", outside)
+    assert "default-src 'none'" in html and len(html) < 200_000
+    dom = Dom(chromium(cli_page.as_uri(), tmp_path, "--dump-dom"))
+    assert "data-errors" not in dom.root and {r for r, _ in dom.rows} == {0, 1} and len(dom.rows) == 4
+    assert "vase K=16 r=4" in dom.text["summary"] and "snapkv K=16 r=4" in dom.text["summary"]
+    assert "".join(s[2] for s in dom.spans).startswith("Say <script>alert(1)</script> and \"</script>\" & 'done'")
+    shot = tmp_path / "shot.png"
+    chromium(cli_page.as_uri() + "#step=20&layer=1&token=30", tmp_path, f"--screenshot={shot}",
+             "--window-size=1000,700")
+    with Image.open(shot) as im:
+        rgb = im.convert("RGB")
+        colors = rgb.getcolors(1 << 20)
+        assert im.size == (1000, 700) and len(colors) > 50  # text, map colours, shading: drawn
+        assert max(c for c, _ in colors) < 0.9 * 1000 * 700  # not one colour (the background) nearly everywhere

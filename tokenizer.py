@@ -14,6 +14,18 @@ from pathlib import Path
 from config import ModelConfig, ModelError, read_json, token_ids
 
 
+def byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character that spells each byte. The bytes that print (! to ~,
+    ¡ to ¬, ® to ÿ) spell themselves; the other 68 take the characters from U+0100 on, in byte order."""
+    prints = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in prints else chr(next(extra)) for b in range(256)]
+
+
+BYTE_CHARS = byte_chars()  # e.g. BYTE_CHARS[32] == "Ġ" (a space)
+BYTE_OF = {c: b for b, c in enumerate(BYTE_CHARS)}
+
+
 def chat_template(path: Path, config: dict) -> tuple[str | None, Path]:
     """The chat template and the file it comes from: chat_template.jinja, else tokenizer_config.json's chat_template,
     one string or a list of named templates ([{"name": "default", "template": ...}, ...]). Of a list we render
@@ -86,6 +98,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """The bytes each token stands for: a character that spans tokens is split between them (decoding one token
+        alone would turn each part into U+FFFD). Byte-level BPE spells byte b as the character BYTE_CHARS[b]; a
+        special token is its text; any other tokenizer decodes token by token (its partial characters lost).
+        Example (SmolLM2): the tokens 'Ġæ', '¸', '©' of " 温" -> [b" \xe6", b"\xb8", b"\xa9"]."""
+        from tokenizers.decoders import ByteLevel
+
+        added = self.tok.get_added_tokens_decoder()  # id -> AddedToken
+        if not isinstance(self.tok.decoder, ByteLevel):
+            return [self.decode([i]).encode() for i in ids]
+        return [added[i].content.encode() if i in added else bytes(BYTE_OF[c] for c in self.tok.id_to_token(i))
+                for i in ids]
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the model's own Jinja chat template, as HF's apply_chat_template does."""
