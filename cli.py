@@ -93,14 +93,14 @@ def resolve_device(device: str | None, dtype: str | None, quant: str | None = No
         d = None
     if d is None or d.type not in ("cpu", "cuda", "mps"):
         raise UsageError(f"--device {device!r} is not a device nanokv runs on: use cpu, cuda, cuda:N or mps")
+    if quant and d.type != "cpu":
+        raise UsageError(f"--quant runs on the CPU only (torch's {d.type} int4 kernel packs weights another way, which "
+                         f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
     if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
                          "use --device cpu or an existing cuda:N")
     if d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UsageError("--device mps: MPS is not available here; use --device cpu")
-    if quant and d.type != "cpu":
-        raise UsageError(f"--quant runs on the CPU only (torch's {d.type} int4 kernel packs weights another way, which "
-                         f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
     if quant and dtype == "float16":
         raise UsageError("--quant takes --dtype bfloat16 or float32 (the activations' dtype), not float16")
     if dtype:

