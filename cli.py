@@ -28,6 +28,12 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and no abbreviations: argparse would expand a prefix of a long option (`--n`
+    to `--no-protect-prompt`), so a typo could silently change an experiment. Subcommands inherit both."""
+
+    def __init__(self, *args, allow_abbrev=False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
     def error(self, message):  # one line, not usage + traceback-looking noise
         self.exit(2, f"error: {message} (see --help)\n")
 

@@ -294,7 +294,7 @@ TASKS = {"fidelity": fidelity, "accuracy": accuracy, "probe": probe, "perturbati
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)  # every subcommand, bench included
+    common = Parser(add_help=False)  # every subcommand, bench included
     common.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     add_device_args(common)
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--shard", type=shard_arg, default=None, metavar="I/N", help="run only the I-th of N slices "
                         "of the jobs (1 <= I <= N, balanced by expected cost), into a file of its own beside --out; "
                         "then `eval.py merge --out FILE`")
-    shared = argparse.ArgumentParser(add_help=False, parents=[common])  # the measurements on data
+    shared = Parser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "

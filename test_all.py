@@ -5,6 +5,7 @@ for every scorer, eviction invariants, the default model, and one-line messages 
 Run: python -m pytest -q test_all.py
 """
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -1160,6 +1161,7 @@ BAD_GENERATE = [
     (["--prompt", "\ud800"], "not valid UTF-8"),  # a lone surrogate
     (["--prompt", "  "], "--prompt is empty"),
     (["--kept-json", "/nonexistent-dir/kept.json"], "--kept-json /nonexistent-dir/kept.json: its folder does not"),
+    (["--policy", "snapkv", "--n", "--budget", "96"], "unrecognized arguments: --n"),  # not --no-protect-prompt
 ]
 
 
@@ -1167,6 +1169,39 @@ BAD_GENERATE = [
 def test_bad_cli_input_one_line(args, needle, capsys):
     """Each user mistake exits non-zero with one line naming the problem and the fix."""
     assert needle in one_line_exit(G.main, args, capsys)
+
+
+def test_parser_refuses_a_prefix_of_a_flag(capsys):
+    """cli.Parser takes a long option only whole: a prefix (`--n` of `--no-protect-prompt`, `--min` of
+    `--min-tokens`) is an unknown argument, on a subcommand too, where argparse would silently expand it."""
+    ap = cli.Parser()
+    ap.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction)
+    sub = ap.add_subparsers(dest="cmd")
+    sub.add_parser("fidelity").add_argument("--min-tokens", type=int)
+    assert ap.parse_args(["--no-protect-prompt", "fidelity", "--min-tokens", "5"]).min_tokens == 5
+    assert "unrecognized arguments: --n" in one_line_exit(ap.parse_args, ["--n", "fidelity"], capsys)
+    assert "unrecognized arguments: --min 5" in one_line_exit(ap.parse_args, ["fidelity", "--min", "5"], capsys)
+
+
+# every command line with its own parser and a prefix of one of its flags (generate.py and eval.py are in the bad
+# input tables); the tools that cannot import cli set allow_abbrev themselves
+PREFIXES = [("weights.py", ["--mod", "x"]), ("tools/regrade.py", ["f.json", "--data-d", "x"]),
+            ("tools/show_answers.py", ["--max-new", "5", "--model", "m", "--data", "d", "--problems", "1"]),
+            ("tools/claims.py", ["f.json", "--part"]),
+            ("tools/compare_configs.py", ["--on", "x"]), ("tools/compare_llamacpp.py", ["--run", "1"]),
+            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--smo"])]
+
+
+@pytest.mark.parametrize("path, argv", PREFIXES, ids=[p for p, _ in PREFIXES])
+def test_every_command_line_refuses_a_prefix(monkeypatch, capsys, path, argv):
+    """Each script's parser refuses a prefix of one of its flags before it does anything (argparse's exit 2)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(HERE, path), run_name="__main__")
+    prefix = next(a for a in argv if a.startswith("--"))
+    assert e.value.code == 2 and f"unrecognized arguments: {prefix}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", [2**70, 2 * 10**13, -5])
@@ -2045,6 +2080,7 @@ BAD_EVAL = [
     (["bench", "--steps", "0"], "--steps"),
     (["bench", "--side-by-side", "--batch-sizes", "1,4", "--steps", "8", "--contexts", "150"], "--side-by-side"),
     (["bench", "--threads", "-1"], "--threads"),
+    (["fidelity", "--min-tok", "5"], "unrecognized arguments: --min-tok"),  # a prefix, on a subcommand
 ]
 
 

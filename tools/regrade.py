@@ -11,13 +11,12 @@ sweeps take, so a rerun of the sweep finds them done. Rows already graded by the
 Extraction is not redone: a change to what counts as an answer (tasks.extract_answer) needs the answers decoded again.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from cli import UsageError  # noqa: E402
+from cli import Parser, UsageError  # noqa: E402
 from results import locked, read_rows, write_json  # noqa: E402
 from tasks import DATA, file_hash, grading, is_correct, load_data  # noqa: E402
 
@@ -43,7 +42,7 @@ def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Grade accuracy rows again by the current rule, from their answers.")
+    ap = Parser(description="Grade accuracy rows again by the current rule, from their answers.")
     ap.add_argument("files", nargs="+", help="result files of eval.py accuracy (their --out)")
     ap.add_argument("--data-dir", default=str(DATA), help="where the rows' data files are (default: data/)")
     args = ap.parse_args(argv)
