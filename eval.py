@@ -260,8 +260,9 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
-    model, tok = model_of(args, lab)
     rows = load_data(args.data)
+    check_n(args, rows)
+    model, tok = model_of(args, lab)
     if args.cmd == "accuracy":
         lens = [len(ask(tok, r["question"])) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
@@ -273,8 +274,6 @@ def check_jobs(args, jobs: list[dict], lab: dict):
                               for i in range(args.n)]  # every job replays these same probes
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
     else:  # fidelity / perturbation: the first turns are the n shortest problems' (the conversations' openers)
-        if args.n > len(rows):
-            raise UsageError(f"--n {args.n} traces need at least {args.n} problems; {args.data} has {len(rows)}")
         firsts = conversation_plans(tok, [r["question"] for r in rows], args.n)
         lens = [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
                 for p in firsts]
@@ -285,6 +284,17 @@ def check_jobs(args, jobs: list[dict], lab: dict):
                          "positions: lower --gap, --min-tokens or --max-new-tokens")
     for j in jobs:
         run_for(j, args, lens)  # one-line refusal of a prompt that does not fit K - r, or a bad --budget/--buffer
+
+
+def check_n(args, rows: list[dict]):
+    """--n counts problems (accuracy) or conversations that each open with a problem of their own (fidelity,
+    perturbation, the heads probe): a shorter file would give rows that say n = 100 and hold 8 problems. The passcode
+    and fact probes are exempt: probe i draws its filler round-robin from the rows, so any --n makes n probes."""
+    if args.cmd == "probe" and args.probe != "heads" or args.n <= len(rows):
+        return
+    what = "asks for more" if args.cmd == "accuracy" else "conversations each open with a problem of their own"
+    raise UsageError(f"{args.data} has {len(rows)} problems; --n {args.n} {what}: pass --n {len(rows)} or fewer, "
+                     "or a larger --data")
 
 
 # -----------------------------------------------------------------------------

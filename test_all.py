@@ -2101,6 +2101,18 @@ def test_bad_out_file_is_one_line(tmp_path, capsys, content, needle):
     assert needle in one_line_exit(ev.main, ["bench", "--policies", "full", "--out", str(out)], capsys)
 
 
+@pytest.mark.parametrize("cmd", ["accuracy", "fidelity", "perturbation", "probe --probe heads"])
+def test_n_past_the_data_file_is_refused(tiny_lab, tmp_path, capsys, cmd):
+    """--n 100 on a file of 8 problems is refused in one line naming both numbers (rows would say n = 100 and hold 8),
+    in each subcommand whose --n counts problems; the passcode probe's --n counts probes, which 8 rows can fill."""
+    out = tmp_path / "rows.json"
+    argv = [*cmd.split(), "--model", tiny_lab.model, "--data", tiny_lab.data, "--n", "100", "--out", str(out)]
+    msg = one_line_exit(ev.main, argv, capsys)
+    assert f"{tiny_lab.data} has 8 problems; --n 100 " in msg and "pass --n 8 or fewer" in msg and not out.exists()
+    rows = T.load_data(tiny_lab.data)
+    ev.check_n(SimpleNamespace(cmd="probe", probe="passcode", n=100, data=tiny_lab.data), rows)  # no refusal
+
+
 @pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
                                           (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8")])
 def test_bad_jsonl(tmp_path, capsys, content, msg):
