@@ -11,12 +11,13 @@ import argparse
 import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
 from model import ModelError, load_model
 from policies import POLICIES
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, chat_template, tokenizer_config
 
 
 # -----------------------------------------------------------------------------
@@ -127,6 +128,14 @@ def load(model_dir, device, dtype):
     except SetupError as e:
         raise ModelError(str(e)) from None
     return load_model(model_dir, device, dtype), Tokenizer(model_dir)
+
+
+def plain_text(model: str | None) -> bool:
+    """Whether --model has no chat template, so that its prompts go in as plain text (tokenizer.Tokenizer.chat); read
+    from its files, without loading it. A named model (not a directory) always has one: weights.py writes the GGUF's."""
+    if not model or not os.path.isdir(model):
+        return False
+    return chat_template(Path(model), tokenizer_config(Path(model)))[0] is None
 
 
 # -----------------------------------------------------------------------------

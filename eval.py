@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from cli import Parser, UsageError, add_device_args, int_list, load, output_failed, policy_names, resolve_device
+from cli import (Parser, UsageError, add_device_args, int_list, load, output_failed, plain_text, policy_names,
+                 resolve_device)
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
@@ -210,10 +211,14 @@ def perturbation(args, job: dict, lab: dict) -> dict:
 
 def model_settings(args) -> dict:
     """What the model computes on, in every row's key and the traces' key. note: the batch size too: batched matmuls
-    may round differently in bf16 on a GPU."""
+    may round differently in bf16 on a GPU. A model without a chat template gets "template": "none": its prompts are
+    plain text, so its rows must never pair with (or stand in for) rows made with a template. subtle: only then, so
+    that the rows made with a template, which is every row saved before this field existed, keep their keys and a
+    finished sweep stays finished."""
     device, dtype = resolve_device(args.device, args.dtype)
+    plain = {"template": "none"} if plain_text(args.model) else {}
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size}
+            "batch_size": args.batch_size, **plain}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction

@@ -125,7 +125,8 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
 
 
 def same_problems(full: dict, row: dict) -> bool:
-    return all(full.get(k) == row.get(k) for k in ("data_sha", "model", "max_new_tokens", "device", "dtype"))
+    keys = ("data_sha", "model", "max_new_tokens", "device", "dtype", "template")  # template: absent, or "none"
+    return all(full.get(k) == row.get(k) for k in keys)
 
 
 def bench_series(rows: list[dict]) -> dict[str, list[tuple]]:

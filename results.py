@@ -36,9 +36,10 @@ def digest(obj) -> str:
 
 def model_key(model: str | None) -> str:
     """A model named by its content, so that a directory edited in place computes new rows and a moved one does not:
-    "default" for the embedded model, else a hash of its JSON files (config, tokenizer) and of each weight file's
-    name, size, safetensors header (tensor names, dtypes, shapes, offsets) and first and last 64 KiB of data. That
-    reads kilobytes, not gigabytes of weights. A bare config.json (bench's random weights) is hashed alone."""
+    "default" for the embedded model, else a hash of its JSON files (config, tokenizer) and chat_template.jinja (the
+    prompts), and of each weight file's name, size, safetensors header (tensor names, dtypes, shapes, offsets) and
+    first and last 64 KiB of data. That reads kilobytes, not gigabytes of weights. A bare config.json (bench's random
+    weights) is hashed alone."""
     if not model:
         return "default"
     path = Path(model)
@@ -46,7 +47,7 @@ def model_key(model: str | None) -> str:
         return model  # loading it fails later, with its own message
     h = hashlib.sha256()
     for f in [path] if path.is_file() else sorted(path.iterdir()):
-        if f.suffix == ".json" and f.name != "manifest.json":  # weights.py's manifest holds mtimes: a copy would rerun
+        if f.suffix in (".json", ".jinja") and f.name != "manifest.json":  # the manifest holds mtimes: a copy reruns
             h.update(f.name.encode() + f.read_bytes())
         elif f.suffix == ".safetensors":
             size = f.stat().st_size

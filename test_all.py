@@ -31,6 +31,7 @@ import generate as G
 import kernels
 import model as M
 import policies as P
+import plot
 import probes
 import results as R
 import stats
@@ -2111,6 +2112,22 @@ def test_n_past_the_data_file_is_refused(tiny_lab, tmp_path, capsys, cmd):
     assert f"{tiny_lab.data} has 8 problems; --n 100 " in msg and "pass --n 8 or fewer" in msg and not out.exists()
     rows = T.load_data(tiny_lab.data)
     ev.check_n(SimpleNamespace(cmd="probe", probe="passcode", n=100, data=tiny_lab.data), rows)  # no refusal
+
+
+def test_no_chat_template_is_said_once_and_keyed(tiny_lab, tmp_path, capsys):
+    """A model without a chat template: stderr says once that its prompts go in as plain text, and its rows' keys hold
+    "template": "none", so they never pair with rows made with a template. A model with one (the named models, a
+    directory with a template) gets no such field: the rows saved before it existed keep their keys."""
+    out = tmp_path / "rows.json"
+    ev.main(["accuracy", "--model", tiny_lab.model, "--data", tiny_lab.data, "--policies", "full", "--n", "2",
+             "--batch-size", "1", "--max-new-tokens", "4", "--out", str(out)])  # two batches: two prompts rendered
+    assert capsys.readouterr().err.count("has no chat template") == 1
+    assert [r["template"] for r in R.read_rows(out)] == ["none"]
+    templated = tokenizer_dir(tmp_path / "t", chat_template=TURNS)
+    for model in ([], ["--model", templated], ["--model", "qwen2.5-coder-1.5b"]):
+        assert "template" not in ev.model_settings(args_for("accuracy", *model))
+    row = R.read_rows(out)[0]
+    assert not plot.same_problems(row, {k: v for k, v in row.items() if k != "template"})
 
 
 @pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
