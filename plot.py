@@ -110,7 +110,7 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
             continue
         if task == "fidelity":  # the full cache's KL is 0 on every trace
             kl = r.get("kl_by_trace") or [r["kl"]]
-            value, lo, hi = bootstrap_diff(kl, [0.0] * len(kl)) if len(kl) > 1 else (kl[0], None, None)
+            value, lo, hi = bootstrap_diff(kl, [0.0] * len(kl))  # no interval (None) of one trace
         else:
             value, lo, hi = r["accuracy"], None, None
             base = next((f for f in full if same_problems(f, r)), None)
@@ -118,8 +118,8 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
             common = sorted(set(mine) & set(ref))
             if common:  # the policy's accuracy on the common problems = the base's + the paired difference
                 a, b = [mine[i] for i in common], [ref[i] for i in common]
-                d, lo, hi = bootstrap_diff(a, b)
-                value, lo, hi = sum(b) / len(b) + d, sum(b) / len(b) + lo, sum(b) / len(b) + hi
+                shift = lambda x: None if x is None else sum(b) / len(b) + x  # None: one problem, no interval
+                value, lo, hi = map(shift, bootstrap_diff(a, b))
         series[name][r["budget"]] = (r["budget"], value, lo, hi)  # a later row of the same line and K wins
     return {name: [pts[k] for k in sorted(pts)] for name, pts in series.items()}
 

@@ -2159,6 +2159,21 @@ def test_paired_differences():
     assert line == "| h2o | 128 | -0.3333 ± 0.4410 | 2/3 |"
 
 
+def test_a_mean_of_one_says_its_spread_is_undefined():
+    """Of one trace or one problem the standard error and the bootstrap interval are undefined: the tables say so
+    with n = 1, never '± nan' or a zero-width interval that would look certain."""
+    rows = [{"policy": "snapkv", "budget": 128, "kl_by_trace": [1.0]}, {"policy": "h2o", "budget": 128,
+                                                                         "kl_by_trace": [1.0061]}]
+    assert stats.paired(rows).splitlines()[-1] == "| h2o | 128 | +0.0061 ± undefined (n = 1) | 0/1 |"
+    assert stats.bootstrap_diff([True], [False]) == (1.0, None, None)
+    assert stats.spread_diff([[1], [0]], [[1], [1]]) == (1.0, 0.0, None, None)
+    one = lambda policy, ok: {"policy": policy, "budget": 128, "protect": False,
+                              "per_problem": [{"i": 0, "correct": ok}]}
+    base = one("full", True)
+    line = stats.paired_accuracy([base, one("snapkv", False)], base).splitlines()[2]
+    assert line == "| snapkv | 128 | False | 0.000 | -1.000 | undefined (n = 1) | 0 / 1 | 1 |"
+
+
 def test_conversation_plans():
     """n conversations open with the n shortest problems and share the others round-robin, each problem once."""
     tok = SimpleNamespace(encode=lambda s: s.split())
