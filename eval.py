@@ -34,7 +34,7 @@ from results import (Progress, check_writable, merge, model_key, read_json, read
                      shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
-from traces import SYSTEM, conversation_plans, pack_conversations, replay, targets, turn_ids
+from traces import check_first_turns, conversation_plans, first_turns, pack_conversations, replay, targets, trace_cap
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -268,6 +268,11 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     rows = load_data(args.data)
     check_n(args, rows)
     model, tok = model_of(args, lab)
+    limit = model.cfg.max_position_embeddings
+    if args.cmd in ("fidelity", "perturbation") or args.cmd == "probe" and args.probe == "heads":
+        # the conversations open with the n shortest problems: what --protect-prompt keeps, and what must fit
+        lens = first_turns(tok, conversation_plans(tok, [r["question"] for r in rows], args.n))
+        check_first_turns(lens, args, limit)
     if args.cmd == "accuracy":
         lens = [len(ask(tok, r["question"])) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
@@ -278,12 +283,8 @@ def check_jobs(args, jobs: list[dict], lab: dict):
         pr = lab["probes"] = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap)
                               for i in range(args.n)]  # every job replays these same probes
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
-    else:  # fidelity / perturbation: the first turns are the n shortest problems' (the conversations' openers)
-        firsts = conversation_plans(tok, [r["question"] for r in rows], args.n)
-        lens = [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
-                for p in firsts]
-        longest = args.min_tokens + 2 * args.max_new_tokens + 1024
-    limit = model.cfg.max_position_embeddings
+    else:  # fidelity / perturbation: the traces' cache
+        longest = trace_cap(args)
     if longest > limit:
         raise UsageError(f"these settings need sequences of up to {longest} tokens, past the model's {limit} "
                          "positions: lower --gap, --min-tokens or --max-new-tokens")

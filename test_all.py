@@ -2114,6 +2114,27 @@ def test_n_past_the_data_file_is_refused(tiny_lab, tmp_path, capsys, cmd):
     ev.check_n(SimpleNamespace(cmd="probe", probe="passcode", n=100, data=tiny_lab.data), rows)  # no refusal
 
 
+@pytest.mark.parametrize("long, n, needle, fix", [
+    (3000, 2, "past the model's 2048 positions: lower --n to 1 (conversations open with the shortest problems)",
+     ["--n", "1"]),
+    (1500, 1, "past the traces' cache of 1404 (--min-tokens + 2 x --max-new-tokens + 1024): raise --min-tokens to at "
+              "least 507", ["--min-tokens", "507"]),
+])
+def test_a_first_turn_that_cannot_fit_names_the_limit(tiny_lab, tmp_path, capsys, long, n, needle, fix):
+    """A conversation's first problem too long for the model's 2,048 positions is refused before anything is decoded,
+    naming both numbers and a fix that can work (fewer conversations: they open with the shortest problems), not
+    'raise --min-tokens'; one that fits the model but not the traces' cache names the --min-tokens that fits it. The
+    fix each message names then runs."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ["x" * long, "1 + 0?"][:n]))
+    argv = ["fidelity", "--model", tiny_lab.model, "--data", str(data), "--policies", "snapkv", "--budgets", "128",
+            "--buffer", "16", "--max-new-tokens", "40", "--min-tokens", "300", "--n", str(n)]
+    msg = one_line_exit(ev.main, argv, capsys)
+    assert "a conversation's first turn is" in msg and needle in msg, msg
+    ev.main(argv + fix + ["--out", str(tmp_path / "rows.json")])
+    assert len(R.read_rows(tmp_path / "rows.json")) == 2  # the full cache and snapkv
+
+
 def test_no_chat_template_is_said_once_and_keyed(tiny_lab, tmp_path, capsys):
     """A model without a chat template: stderr says once that its prompts go in as plain text, and its rows' keys hold
     "template": "none", so they never pair with rows made with a template. A model with one (the named models, a
