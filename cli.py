@@ -8,6 +8,7 @@ and policies (for --policies), so any command can fail on a bad setting before a
 """
 
 import argparse
+import errno
 import os
 import resource
 import sys
@@ -148,8 +149,21 @@ def note(msg: str):
 
 
 def output_failed(e: OSError):
-    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line (a full disk under
-    `> /dev/full`, a file we cannot read)."""
+    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line that names the file (one we
+    cannot read), or stdout and where it goes (a full disk under `> /dev/full`: the one write that names no file)."""
+    what = f"{e.filename}: {e.strerror or e}" if e.filename else (
+        f"cannot write to {stdout_target()}: {e.strerror or e}: {write_fix(e)}")
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
-    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {e.filename or 'cannot write the output'}: "
-             f"{e.strerror or e}")
+    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {what}")
+
+
+def write_fix(e: OSError) -> str:
+    return "free some space there or write elsewhere" if e.errno == errno.ENOSPC else "write elsewhere"
+
+
+def stdout_target() -> str:
+    """stdout and the file it goes to, e.g. 'stdout (/dev/full)'; just 'stdout' where the system does not say."""
+    try:
+        return f"stdout ({os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')})"
+    except (OSError, ValueError):  # not Linux, or a stdout without a descriptor (a test's capture)
+        return "stdout"

@@ -31,7 +31,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from cache import KVCache
-from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb
+from cli import Parser, UsageError, add_device_args, load, note, output_failed, peak_memory_mb, write_fix
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -338,6 +338,19 @@ def main(argv=None):
         output_failed(e)
 
 
+def write_kept(path: str, kept: dict):
+    """--kept-json, or one line that names it (a full disk, no permission); a file we half wrote is removed."""
+    opened = False
+    try:
+        with open(path, "w") as f:
+            opened = True
+            json.dump(kept, f)
+    except OSError as e:
+        if opened and Path(path).is_file():  # not /dev/full; and never a file we could not open, which is intact
+            Path(path).unlink()
+        raise UsageError(f"cannot write --kept-json {path}: {e.strerror or e}: {write_fix(e)}") from None
+
+
 def check_sampling(temperature: float, top_p: float):
     if not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"--temperature must be 0 (greedy) or a positive number (got {temperature})")
@@ -404,8 +417,7 @@ def run_cli(args):
     if args.show_kept is not None:
         print(show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
-        with open(args.kept_json, "w") as f:
-            json.dump(kept_map(cache, layer, run, args.policy), f)
+        write_kept(args.kept_json, kept_map(cache, layer, run, args.policy))
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     if args.compare and run.budget is not None:
         full = make_run("full", None, args.buffer, None, len(prompt), args.seed)

@@ -1382,12 +1382,17 @@ def test_broken_pipe_is_quiet():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
-def test_full_disk_is_one_line():
-    """`python generate.py > /dev/full`: writing the answer fails (ENOSPC); one line on stderr, a non-zero exit."""
+def test_full_disk_is_one_line(tiny_lab, capsys):
+    """`python generate.py > /dev/full`: writing the answer fails (ENOSPC); one line on stderr names stdout and where it
+    goes, a non-zero exit. `--kept-json /dev/full` names that file."""
     p = run_py(f"{sys.executable} generate.py --max-new-tokens 4 > /dev/full", shell=True)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-    assert p.returncode == 1 and "Traceback" not in p.stderr and errors == ["error: cannot write the output: No space "
-                                                                             "left on device"], p.stderr
+    assert p.returncode == 1 and "Traceback" not in p.stderr and errors == [
+        "error: cannot write to stdout (/dev/full): No space left on device: free some space there or write elsewhere"
+    ], p.stderr
+    msg = one_line_exit(G.main, ["--model", tiny_lab.model, "--max-new-tokens", "4", "--kept-json", "/dev/full"], capsys)
+    assert msg == "error: cannot write --kept-json /dev/full: No space left on device: free some space there or write " \
+                  "elsewhere"
 
 
 # -----------------------------------------------------------------------------
