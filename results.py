@@ -117,7 +117,7 @@ def read_json(path: Path, kind: type):
         raise UsageError(f"{path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         obj = None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None

@@ -2099,7 +2099,7 @@ def test_bad_eval_input_is_one_line(argv, msg, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("content, needle", [("[1, 2]", "row 1 is not a row"), ("{}", "not a JSON list"),
-                                             (None, "is a directory")])
+                                             (None, "is a directory"), ("[" * 10**5, "not a JSON list")])
 def test_bad_out_file_is_one_line(tmp_path, capsys, content, needle):
     """--out that is a directory, or a JSON file that is not a list of rows, is refused in one line."""
     out = tmp_path / "out"
@@ -2157,9 +2157,12 @@ def test_no_chat_template_is_said_once_and_keyed(tiny_lab, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
-                                          (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8")])
+                                          (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8"),
+                                          (b'{"problem": "1+1?", "answer": "2"}\n{"answer": ' + b"[" * 10**5 + b"]" * 10**5
+                                           + b"}\n", "line 2: JSON nested too deeply to read: fix or delete that line")])
 def test_bad_jsonl(tmp_path, capsys, content, msg):
-    """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so."""
+    """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so; a line
+    nested deeper than the JSON decoder recurses (a RecursionError) names its line."""
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content)
     assert msg in one_line_exit(ev.main, ["accuracy", "--data", str(bad)], capsys)
