@@ -2738,6 +2738,26 @@ def test_regrade_grades_stored_answers_and_the_sweep_finds_them_done(tiny_lab, t
                                                                                         str(tmp_path)], capsys)
 
 
+@pytest.mark.parametrize("i", [4, -1])
+def test_regrade_refuses_a_problem_past_the_data_file(tmp_path, capsys, i):
+    """tools/regrade.py on a row that holds problem 4 (or -1) of a 4-problem file says so in one line naming the file
+    and the row, instead of an IndexError (or grading problem 3 in its place); the file is left as it was."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import regrade
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {k}?", "answer": str(k)}) + "\n" for k in range(4)))
+    pp = [{"i": k, "correct": False, "answered": True, "loop": False, "tokens": 5, "stop": "eos", "evictions": 0,
+           "kept": 1.0, "pred": str(k)} for k in (0, i)]
+    row = {"task": "accuracy", "policy": "full", "budget": None, "data": "m.jsonl", "data_sha": T.file_hash(str(data)),
+           "grading": 0, "accuracy": 0.0, "per_problem": pp}
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps([row]))
+    msg = one_line_exit(regrade.main, [str(out), "--data-dir", str(tmp_path)], capsys)
+    assert f"{out} row 1 (full, budget None) holds problem {i}, but its data file m.jsonl has problems 0 to 3" in msg
+    assert json.loads(out.read_text()) == [row]
+
+
 def test_claims_tables_pair_every_row_by_problem(tmp_path):
     """tools/claims.py on hand-made rows of 10 problems: each row against full, the spread across the policies run
     both ways (protected snapkv 0.2 and random 0.3: 0.1; not protected 0.4 and 0.1: 0.3), random against the scorer,

@@ -21,8 +21,13 @@ from results import locked, read_rows, write_json  # noqa: E402
 from tasks import DATA, file_hash, grading, is_correct, load_data  # noqa: E402
 
 
-def regrade(row: dict, data: list[dict]) -> tuple[dict, list[int]]:
-    """row graded by the current rule, and the problems whose verdict changed."""
+def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
+    """row graded by the current rule, and the problems whose verdict changed. A problem index outside the data file
+    (a hand-edited row: the file's hash is the row's) is refused, naming the row; a negative one would count back."""
+    bad = next((p["i"] for p in row["per_problem"] if not 0 <= p["i"] < len(data)), None)
+    if bad is not None:
+        raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data file "
+                         f"{row['data']} has problems 0 to {len(data) - 1}: fix or delete that row, then rerun")
     per, changed = [], []
     for p in row["per_problem"]:
         ok = is_correct(p["pred"], data[p["i"]]["answer"])
@@ -53,7 +58,7 @@ def main(argv=None):
                 raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
                 rows, out = read_rows(f), []
-                for r in rows:
+                for k, r in enumerate(rows, 1):
                     key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
                     if key and key not in read:
                         read[key] = data_of(*key, Path(args.data_dir))
@@ -61,7 +66,7 @@ def main(argv=None):
                     if data is None or r.get("grading") == grading(data):
                         out.append(r)
                         continue
-                    new, changed = regrade(r, data)
+                    new, changed = regrade(r, data, f"{f} row {k}")
                     print(f"{f}: {r['policy']} on {r['data']} (n = {len(r['per_problem'])}): grading "
                           f"{r.get('grading')} -> {new['grading']}, accuracy {r['accuracy']:.2f} -> "
                           f"{new['accuracy']:.2f}, changed: {changed or 'none'}")
