@@ -21,6 +21,8 @@ from results import check_row
 from stats import bootstrap_diff, outcomes
 
 MARKERS = "osD^v<>ph*"
+NEEDS = {"fidelity": ("budget", "kl"), "accuracy": ("budget", "accuracy"),  # what the figures read of a row (and
+         "bench": ("context", "batch", "ms_per_step")}                       # its policy): results.check_row
 
 
 def style(names: list[str], plt) -> dict[str, dict]:
@@ -64,7 +66,7 @@ def read(paths: list[str]) -> tuple[list[dict], list[dict]]:
             obj = None
         if isinstance(obj, list):
             for i, row in enumerate(obj):
-                check_row(row, f"{p} row {i + 1}")
+                check_row(row, f"{p} row {i + 1}", NEEDS)
             rows += obj
         elif isinstance(obj, dict) and obj.get("kind") == "kept":
             maps.append(check_map(obj, p))

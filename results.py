@@ -92,8 +92,9 @@ maybe = lambda ok: lambda v: v is None or ok(v)
 PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
            "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
 problem = lambda p: isinstance(p, dict) and p.keys() == PROBLEM.keys() and all(ok(p[k]) for k, ok in PROBLEM.items())
-FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
-    "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
+FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value
+    "task": text, "policy": text, "budget": maybe(integer), "kl": num, "accuracy": num, "context": integer,
+    "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
     "logprob_by_set": list_of(num),
@@ -101,14 +102,20 @@ FIELDS = {  # the fields that code reads back (tables, paired statistics); any o
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
 
-def check_row(row, where: str):
-    """Refuse, in one line that names it, a row that is not an object with a task or has a field of the wrong type."""
-    if not isinstance(row, dict) or "task" not in row:
-        raise UsageError(f"{where} is not a row (a JSON object with a 'task'): delete it, then rerun")
+def check_row(row, where: str, needs: dict[str, tuple] | None = None):
+    """Refuse, in one line that names it, a row that is not an object with a task and a policy (every job has both),
+    lacks a field its reader needs for its task (`needs`, e.g. plot's {"fidelity": ("budget", "kl"), ...}), or has a
+    field of the wrong type."""
+    if not isinstance(row, dict) or "task" not in row or "policy" not in row:
+        raise UsageError(f"{where} is not a row (a JSON object with a 'task' and a 'policy'): delete it, then rerun")
+    name = f"{where} ({row['policy']}, budget {row.get('budget')})"
+    missing = [k for k in (needs or {}).get(row["task"], ()) if k not in row]
+    if missing:
+        raise UsageError(f"{name} has no {missing[0]!r}, which a {row['task']} row needs here: fix or delete that row, "
+                         "then rerun")
     for k, v in row.items():
         if not FIELDS.get(k, plain)(v):
-            raise UsageError(f"{where} ({row.get('policy')}, budget {row.get('budget')}) has a bad {k!r}: "
-                             f"{json.dumps(v)[:60]}: fix or delete that row, then rerun")
+            raise UsageError(f"{name} has a bad {k!r}: {json.dumps(v)[:60]}: fix or delete that row, then rerun")
 
 
 def read_json(path: Path, kind: type):
