@@ -21,8 +21,8 @@ from results import check_row
 from stats import bootstrap_diff, outcomes
 
 MARKERS = "osD^v<>ph*"
-NEEDS = {"fidelity": ("budget", "kl"), "accuracy": ("budget", "accuracy"),  # what the figures read of a row (and
-         "bench": ("context", "batch", "ms_per_step")}                       # its policy): results.check_row
+NEEDS = {"fidelity": ("policy", "budget", "kl"), "accuracy": ("policy", "budget", "accuracy"),  # what the figures
+         "bench": ("policy", "context", "batch", "ms_per_step")}  # read of a row, checked by results.check_row
 
 
 def style(names: list[str], plt) -> dict[str, dict]:

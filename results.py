@@ -103,12 +103,11 @@ plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
 
 def check_row(row, where: str, needs: dict[str, tuple] | None = None):
-    """Refuse, in one line that names it, a row that is not an object with a task and a policy (every job has both),
-    lacks a field its reader needs for its task (`needs`, e.g. plot's {"fidelity": ("budget", "kl"), ...}), or has a
-    field of the wrong type."""
-    if not isinstance(row, dict) or "task" not in row or "policy" not in row:
-        raise UsageError(f"{where} is not a row (a JSON object with a 'task' and a 'policy'): delete it, then rerun")
-    name = f"{where} ({row['policy']}, budget {row.get('budget')})"
+    """Refuse, in one line that names it, a row that is not an object with a task, lacks a field its reader needs for
+    its task (`needs`, e.g. plot's {"fidelity": ("policy", "budget", "kl"), ...}), or has a field of the wrong type."""
+    if not isinstance(row, dict) or "task" not in row:
+        raise UsageError(f"{where} is not a row (a JSON object with a 'task'): delete it, then rerun")
+    name = f"{where} ({row.get('policy')}, budget {row.get('budget')})"
     missing = [k for k in (needs or {}).get(row["task"], ()) if k not in row]
     if missing:
         raise UsageError(f"{name} has no {missing[0]!r}, which a {row['task']} row needs here: fix or delete that row, "

@@ -2666,7 +2666,7 @@ BAD_PLOT = [
     ("no-kl", json.dumps(plot_rows()[:1] + [{k: v for k, v in plot_rows()[1].items() if k != "kl"}]),
      "row 2 (snapkv, budget 64) has no 'kl', which a fidelity row needs here"),
     ("no-policy", json.dumps([{k: v for k, v in plot_rows()[1].items() if k != "policy"}]),
-     "row 1 is not a row (a JSON object with a 'task' and a 'policy')"),
+     "row 1 (None, budget 64) has no 'policy', which a fidelity row needs here"),
     ("bad-kl", json.dumps([dict(plot_rows()[1], kl="x")]), "has a bad 'kl': \"x\""),
     ("bad-map", '{"kind": "kept", "positions": 4, "heads": [[9]]}', "a kept map needs"),
     ("missing", None, "is not a file"),
