@@ -1390,9 +1390,9 @@ def test_full_disk_is_one_line(tiny_lab, capsys):
     assert p.returncode == 1 and "Traceback" not in p.stderr and errors == [
         "error: cannot write to stdout (/dev/full): No space left on device: free some space there or write elsewhere"
     ], p.stderr
-    msg = one_line_exit(G.main, ["--model", tiny_lab.model, "--max-new-tokens", "4", "--kept-json", "/dev/full"], capsys)
-    assert msg == "error: cannot write --kept-json /dev/full: No space left on device: free some space there or write " \
-                  "elsewhere"
+    argv = ["--model", tiny_lab.model, "--max-new-tokens", "4", "--kept-json", "/dev/full"]
+    assert one_line_exit(G.main, argv, capsys) == ("error: cannot write --kept-json /dev/full: No space left on device: "
+                                                   "free some space there or write elsewhere")
 
 
 # -----------------------------------------------------------------------------
@@ -2158,8 +2158,8 @@ def test_no_chat_template_is_said_once_and_keyed(tiny_lab, tmp_path, capsys):
 
 @pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
                                           (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8"),
-                                          (b'{"problem": "1+1?", "answer": "2"}\n{"answer": ' + b"[" * 10**5 + b"]" * 10**5
-                                           + b"}\n", "line 2: JSON nested too deeply to read: fix or delete that line")])
+                                          (b'{"problem": "1+1?", "answer": "2"}\n{"answer": ' + b"[" * 10**5
+                                           + b"]" * 10**5 + b"}\n", "line 2: JSON nested too deeply to read")])
 def test_bad_jsonl(tmp_path, capsys, content, msg):
     """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so; a line
     nested deeper than the JSON decoder recurses (a RecursionError) names its line."""

@@ -49,9 +49,10 @@ def check_first_turns(lens: list[int], args, limit: int):
         fits = sum(n + M <= limit for n in lens)
         fixes = [f"lower --n to {fits} (conversations open with the shortest problems)"] if fits else []
         fixes += [f"lower --max-new-tokens to {limit - first}"] if first < limit else []
+        fix = " or ".join(fixes) or "no problem of this file is short enough; pass shorter ones"
         raise UsageError(f"{args.data}: a conversation's first turn is {first} tokens (the system message and its "
-                         f"problem), {need} with its answer (--max-new-tokens {M}), past the model's {limit} positions: "
-                         + (" or ".join(fixes) or "no problem of this file is short enough; pass shorter ones"))
+                         f"problem), {need} with its answer (--max-new-tokens {M}), past the model's {limit} "
+                         f"positions: {fix}")
     if need > trace_cap(args):
         raise UsageError(f"{args.data}: a conversation's first turn is {first} tokens, {need} with its answer "
                          f"(--max-new-tokens {M}), past the traces' cache of {trace_cap(args)} (--min-tokens + 2 x "

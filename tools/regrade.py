@@ -26,8 +26,8 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     (a hand-edited row: the file's hash is the row's) is refused, naming the row; a negative one would count back."""
     bad = next((p["i"] for p in row["per_problem"] if not 0 <= p["i"] < len(data)), None)
     if bad is not None:
-        raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data file "
-                         f"{row['data']} has problems 0 to {len(data) - 1}: fix or delete that row, then rerun")
+        raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data "
+                         f"file {row['data']} has problems 0 to {len(data) - 1}: fix or delete that row, then rerun")
     per, changed = [], []
     for p in row["per_problem"]:
         ok = is_correct(p["pred"], data[p["i"]]["answer"])
