@@ -8,6 +8,7 @@ and policies (for --policies), so any command can fail on a bad setting before a
 """
 
 import argparse
+import errno
 import os
 import platform
 import resource
@@ -19,7 +20,7 @@ import torch
 
 from model import ModelError, load_model
 from policies import POLICIES
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, chat_template, tokenizer_config
 
 
 # -----------------------------------------------------------------------------
@@ -31,6 +32,12 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and no abbreviations: argparse would expand a prefix of a long option (`--n`
+    to `--no-protect-prompt`), so a typo could silently change an experiment. Subcommands inherit both."""
+
+    def __init__(self, *args, allow_abbrev=False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
     def error(self, message):  # one line, not usage + traceback-looking noise
         self.exit(2, f"error: {message} (see --help)\n")
 
@@ -165,6 +172,14 @@ def load(model_dir, device, dtype, quant: str | None = None):
     return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir)
 
 
+def plain_text(model: str | None) -> bool:
+    """Whether --model has no chat template, so that its prompts go in as plain text (tokenizer.Tokenizer.chat); read
+    from its files, without loading it. A named model (not a directory) always has one: weights.py writes the GGUF's."""
+    if not model or not os.path.isdir(model):
+        return False
+    return chat_template(Path(model), tokenizer_config(Path(model)))[0] is None
+
+
 # -----------------------------------------------------------------------------
 # output
 
@@ -177,14 +192,42 @@ def check_output(flag: str, path: str | None):
         raise UsageError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
 
 
+def write_output(flag: str, path: str, text: str) -> int:
+    """Write an output file (--kept-json, --html), or stop in one line that names it (a full disk, no permission);
+    a file we half wrote is removed. Returns its size in bytes."""
+    data, opened = text.encode("utf-8"), False
+    try:
+        with open(path, "wb") as f:
+            opened = True
+            f.write(data)
+    except OSError as e:
+        if opened and Path(path).is_file():  # not /dev/full; and never a file we could not open, which is intact
+            Path(path).unlink()
+        raise UsageError(f"cannot write {flag} {path}: {e.strerror or e}: {write_fix(e)}") from None
+    return len(data)
+
+
 def note(msg: str):
     """Progress and timings go to stderr, so stdout holds only the answer and the report."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def output_failed(e: OSError):
-    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line (a full disk under
-    `> /dev/full`, a file we cannot read)."""
+    """Exit on an OSError: quietly if stdout's reader left (`| head -2`), else in one line that names the file (one we
+    cannot read), or stdout and where it goes (a full disk under `> /dev/full`: the one write that names no file)."""
+    what = f"{e.filename}: {e.strerror or e}" if e.filename else (
+        f"cannot write to {stdout_target()}: {e.strerror or e}: {write_fix(e)}")
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
-    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {e.filename or 'cannot write the output'}: "
-             f"{e.strerror or e}")
+    sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {what}")
+
+
+def write_fix(e: OSError) -> str:
+    return "free some space there or write elsewhere" if e.errno == errno.ENOSPC else "write elsewhere"
+
+
+def stdout_target() -> str:
+    """stdout and the file it goes to, e.g. 'stdout (/dev/full)'; just 'stdout' where the system does not say."""
+    try:
+        return f"stdout ({os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')})"
+    except (OSError, ValueError):  # not Linux, or a stdout without a descriptor (a test's capture)
+        return "stdout"

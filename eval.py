@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from cli import Parser, UsageError, add_device_args, int_list, load, output_failed, policy_names, resolve_device
+from cli import (Parser, UsageError, add_device_args, int_list, load, output_failed, plain_text, policy_names,
+                 resolve_device)
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
@@ -33,7 +34,7 @@ from results import (Progress, check_writable, merge, model_key, pack_text, read
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
-from traces import SYSTEM, conversation_plans, pack_conversations, replay, targets, turn_ids
+from traces import check_first_turns, conversation_plans, first_turns, pack_conversations, replay, targets, trace_cap
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -211,11 +212,14 @@ def perturbation(args, job: dict, lab: dict) -> dict:
 
 def model_settings(args) -> dict:
     """What the model computes on, in every row's key and the traces' key. note: the batch size too: batched matmuls
-    may round differently in bf16 on a GPU."""
+    may round differently in bf16 on a GPU. A model without a chat template gets "template": "none": its prompts are
+    plain text, so its rows must never pair with (or stand in for) rows made with a template. subtle: only then, so
+    that the rows made with a template, which is every row saved before this field existed, keep their keys and a
+    finished sweep stays finished; --quant likewise only where given (every row before it is exact)."""
     device, dtype = resolve_device(args.device, args.dtype, args.quant)
-    # --quant only where given, so that the rows made before it existed (all exact) keep their keys
+    plain = {"template": "none"} if plain_text(args.model) else {}
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size, **({"quant": args.quant} if args.quant else {})}
+            "batch_size": args.batch_size, **plain, **({"quant": args.quant} if args.quant else {})}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
@@ -262,8 +266,14 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
-    model, tok = model_of(args, lab)
     rows = load_data(args.data)
+    check_n(args, rows)
+    model, tok = model_of(args, lab)
+    limit = model.cfg.max_position_embeddings
+    if args.cmd in ("fidelity", "perturbation") or args.cmd == "probe" and args.probe == "heads":
+        # the conversations open with the n shortest problems: what --protect-prompt keeps, and what must fit
+        lens = first_turns(tok, conversation_plans(tok, [r["question"] for r in rows], args.n))
+        check_first_turns(lens, args, limit)
     if args.cmd == "accuracy":
         lens = [len(ask(tok, r["question"])) for r in rows[: args.n]]
         longest = max(lens) + args.max_new_tokens
@@ -274,19 +284,24 @@ def check_jobs(args, jobs: list[dict], lab: dict):
         pr = lab["probes"] = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap)
                               for i in range(args.n)]  # every job replays these same probes
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
-    else:  # fidelity / perturbation: the first turns are the n shortest problems' (the conversations' openers)
-        if args.n > len(rows):
-            raise UsageError(f"--n {args.n} traces need at least {args.n} problems; {args.data} has {len(rows)}")
-        firsts = conversation_plans(tok, [r["question"] for r in rows], args.n)
-        lens = [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
-                for p in firsts]
-        longest = args.min_tokens + 2 * args.max_new_tokens + 1024
-    limit = model.cfg.max_position_embeddings
+    else:  # fidelity / perturbation: the traces' cache
+        longest = trace_cap(args)
     if longest > limit:
         raise UsageError(f"these settings need sequences of up to {longest} tokens, past the model's {limit} "
                          "positions: lower --gap, --min-tokens or --max-new-tokens")
     for j in jobs:
         run_for(j, args, lens)  # one-line refusal of a prompt that does not fit K - r, or a bad --budget/--buffer
+
+
+def check_n(args, rows: list[dict]):
+    """--n counts problems (accuracy) or conversations that each open with a problem of their own (fidelity,
+    perturbation, the heads probe): a shorter file would give rows that say n = 100 and hold 8 problems. The passcode
+    and fact probes are exempt: probe i draws its filler round-robin from the rows, so any --n makes n probes."""
+    if args.cmd == "probe" and args.probe != "heads" or args.n <= len(rows):
+        return
+    what = "asks for more" if args.cmd == "accuracy" else "conversations each open with a problem of their own"
+    raise UsageError(f"{args.data} has {len(rows)} problems; --n {args.n} {what}: pass --n {len(rows)} or fewer, "
+                     "or a larger --data")
 
 
 # -----------------------------------------------------------------------------
@@ -296,7 +311,7 @@ TASKS = {"fidelity": fidelity, "accuracy": accuracy, "probe": probe, "perturbati
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)  # every subcommand, bench included
+    common = Parser(add_help=False)  # every subcommand, bench included
     common.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     add_device_args(common)
@@ -311,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--shard", type=shard_arg, default=None, metavar="I/N", help="run only the I-th of N slices "
                         "of the jobs (1 <= I <= N, balanced by expected cost), into a file of its own beside --out; "
                         "then `eval.py merge --out FILE`")
-    shared = argparse.ArgumentParser(add_help=False, parents=[common])  # the measurements on data
+    shared = Parser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "

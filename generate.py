@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
 from cache import KVCache
-from cli import Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb
+from cli import (Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb,
+                 write_output)
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -414,8 +415,7 @@ def run_cli(args):
     if args.show_kept is not None:
         print(viewer.show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
-        with open(args.kept_json, "w") as f:
-            json.dump(viewer.kept_map(cache, layer, run, args.policy), f)
+        write_output("--kept-json", args.kept_json, json.dumps(viewer.kept_map(cache, layer, run, args.policy)))
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     views = [(args.policy, run, rec, ids)]
     if other:
@@ -432,8 +432,8 @@ def run_cli(args):
         print(divergence(tok, ref[0], ids, args.policy, vs=vs + (" fp32" if args.quant else "")))
         views.append((vs, other, other_rec, ref[0]))
     if args.html:
-        size = viewer.write(args.html, [viewer.view(name, r, rr, prompt, out, tok.token_bytes(prompt + out))
-                                        for name, r, rr, out in views], cfg, len(prompt))
+        size = write_output("--html", args.html, viewer.page([viewer.view(
+            name, r, rr, prompt, out, tok.token_bytes(prompt + out)) for name, r, rr, out in views], cfg, len(prompt)))
         note(f"[html] wrote {args.html} ({size / 1e6:.2f} MB): open it in a browser, no server needed")
     n_ev, ms = run.evictions, run.evict_s * 1e3
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")

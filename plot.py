@@ -21,6 +21,8 @@ from results import check_row
 from stats import bootstrap_diff, outcomes
 
 MARKERS = "osD^v<>ph*"
+NEEDS = {"fidelity": ("policy", "budget", "kl"), "accuracy": ("policy", "budget", "accuracy"),  # what the figures
+         "bench": ("policy", "context", "batch", "ms_per_step")}  # read of a row, checked by results.check_row
 
 
 def style(names: list[str], plt) -> dict[str, dict]:
@@ -64,7 +66,7 @@ def read(paths: list[str]) -> tuple[list[dict], list[dict]]:
             obj = None
         if isinstance(obj, list):
             for i, row in enumerate(obj):
-                check_row(row, f"{p} row {i + 1}")
+                check_row(row, f"{p} row {i + 1}", NEEDS)
             rows += obj
         elif isinstance(obj, dict) and obj.get("kind") == "kept":
             maps.append(check_map(obj, p))
@@ -110,7 +112,7 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
             continue
         if task == "fidelity":  # the full cache's KL is 0 on every trace
             kl = r.get("kl_by_trace") or [r["kl"]]
-            value, lo, hi = bootstrap_diff(kl, [0.0] * len(kl)) if len(kl) > 1 else (kl[0], None, None)
+            value, lo, hi = bootstrap_diff(kl, [0.0] * len(kl))  # no interval (None) of one trace
         else:
             value, lo, hi = r["accuracy"], None, None
             base = next((f for f in full if same_problems(f, r)), None)
@@ -118,14 +120,15 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
             common = sorted(set(mine) & set(ref))
             if common:  # the policy's accuracy on the common problems = the base's + the paired difference
                 a, b = [mine[i] for i in common], [ref[i] for i in common]
-                d, lo, hi = bootstrap_diff(a, b)
-                value, lo, hi = sum(b) / len(b) + d, sum(b) / len(b) + lo, sum(b) / len(b) + hi
+                shift = lambda x: None if x is None else sum(b) / len(b) + x  # None: one problem, no interval
+                value, lo, hi = map(shift, bootstrap_diff(a, b))
         series[name][r["budget"]] = (r["budget"], value, lo, hi)  # a later row of the same line and K wins
     return {name: [pts[k] for k in sorted(pts)] for name, pts in series.items()}
 
 
 def same_problems(full: dict, row: dict) -> bool:
-    return all(full.get(k) == row.get(k) for k in ("data_sha", "model", "max_new_tokens", "device", "dtype"))
+    keys = ("data_sha", "model", "max_new_tokens", "device", "dtype", "template")  # template: absent, or "none"
+    return all(full.get(k) == row.get(k) for k in keys)
 
 
 def bench_series(rows: list[dict]) -> dict[str, list[tuple]]:

@@ -38,9 +38,10 @@ def digest(obj) -> str:
 
 def model_key(model: str | None) -> str:
     """A model named by its content, so that a directory edited in place computes new rows and a moved one does not:
-    "default" for the embedded model, else a hash of its JSON files (config, tokenizer) and of each weight file's
-    name, size, safetensors header (tensor names, dtypes, shapes, offsets) and first and last 64 KiB of data. That
-    reads kilobytes, not gigabytes of weights. A bare config.json (bench's random weights) is hashed alone."""
+    "default" for the embedded model, else a hash of its JSON files (config, tokenizer) and chat_template.jinja (the
+    prompts), and of each weight file's name, size, safetensors header (tensor names, dtypes, shapes, offsets) and
+    first and last 64 KiB of data. That reads kilobytes, not gigabytes of weights. A bare config.json (bench's random
+    weights) is hashed alone."""
     if not model:
         return "default"
     path = Path(model)
@@ -48,7 +49,7 @@ def model_key(model: str | None) -> str:
         return model  # loading it fails later, with its own message
     h = hashlib.sha256()
     for f in [path] if path.is_file() else sorted(path.iterdir()):
-        if f.suffix == ".json" and f.name != "manifest.json":  # weights.py's manifest holds mtimes: a copy would rerun
+        if f.suffix in (".json", ".jinja") and f.name != "manifest.json":  # the manifest holds mtimes: a copy reruns
             h.update(f.name.encode() + f.read_bytes())
         elif f.suffix == ".safetensors" and f.name != "model.int4.safetensors":  # derived from model.safetensors'
             # GGUF, like it (weights.py): hashing it too would give every row made before it existed a new key
@@ -96,8 +97,9 @@ PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "token
 LATER = {"text_z": text}  # fields of a problem that rows made before them lack (text_z: the generated text, packed)
 problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
     ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
-FIELDS = {  # the fields that code reads back (tables, paired statistics); any other must be a plain JSON value
-    "task": text, "policy": text, "budget": maybe(integer), "kl_by_trace": list_of(num),
+FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value
+    "task": text, "policy": text, "budget": maybe(integer), "kl": num, "accuracy": num, "context": integer,
+    "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
     "logprob_by_set": list_of(num),
@@ -105,14 +107,19 @@ FIELDS = {  # the fields that code reads back (tables, paired statistics); any o
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
 
-def check_row(row, where: str):
-    """Refuse, in one line that names it, a row that is not an object with a task or has a field of the wrong type."""
+def check_row(row, where: str, needs: dict[str, tuple] | None = None):
+    """Refuse, in one line that names it, a row that is not an object with a task, lacks a field its reader needs for
+    its task (`needs`, e.g. plot's {"fidelity": ("policy", "budget", "kl"), ...}), or has a field of the wrong type."""
     if not isinstance(row, dict) or "task" not in row:
         raise UsageError(f"{where} is not a row (a JSON object with a 'task'): delete it, then rerun")
+    name = f"{where} ({row.get('policy')}, budget {row.get('budget')})"
+    missing = [k for k in (needs or {}).get(row["task"], ()) if k not in row]
+    if missing:
+        raise UsageError(f"{name} has no {missing[0]!r}, which a {row['task']} row needs here: fix or delete that row, "
+                         "then rerun")
     for k, v in row.items():
         if not FIELDS.get(k, plain)(v):
-            raise UsageError(f"{where} ({row.get('policy')}, budget {row.get('budget')}) has a bad {k!r}: "
-                             f"{json.dumps(v)[:60]}: fix or delete that row, then rerun")
+            raise UsageError(f"{name} has a bad {k!r}: {json.dumps(v)[:60]}: fix or delete that row, then rerun")
 
 
 def pack_text(s: str) -> str:
@@ -130,7 +137,7 @@ def read_json(path: Path, kind: type):
         raise UsageError(f"{path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         obj = None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None

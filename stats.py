@@ -15,11 +15,14 @@ import torch
 
 
 def bootstrap_diff(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0
-                   ) -> tuple[float, float, float]:
+                   ) -> tuple[float, float | None, float | None]:
     """Mean of a minus mean of b over the same items, with its paired bootstrap 95 % interval: resample the items
     with replacement (an item keeps both of its values) and take the 2.5 and 97.5 percentiles. Items are problems
-    (a, b: right or wrong, so the difference is one of accuracy) or traces (a, b: per-trace KL)."""
+    (a, b: right or wrong, so the difference is one of accuracy) or traces (a, b: per-trace KL). Of one item the
+    interval is undefined (None, None): every resample is that item, so a zero-width interval would look certain."""
     d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)  # [n], e.g. in {-1, 0, 1}
+    if len(d) < 2:
+        return d.mean().item(), None, None
     g = torch.Generator().manual_seed(seed)
     means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)  # [resamples]
     lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
@@ -27,18 +30,35 @@ def bootstrap_diff(a: list[float], b: list[float], resamples: int = 10_000, seed
 
 
 def spread_diff(a: list[list[bool]], b: list[list[bool]], resamples: int = 10_000, seed: int = 0
-                ) -> tuple[float, float, float, float]:
+                ) -> tuple[float, float, float | None, float | None]:
     """Random Attention's bunching: the spread (best minus worst accuracy) across the policies of a, the same across
-    those of b, and the paired bootstrap 95 % interval of spread(a) - spread(b). a and b hold one list of outcomes
-    per policy, all over the same problems; a resample draws problems, each keeping every policy's outcome."""
+    those of b, and the paired bootstrap 95 % interval of spread(a) - spread(b) (None, None over one problem, as in
+    bootstrap_diff). a and b hold one list of outcomes per policy, all over the same problems; a resample draws
+    problems, each keeping every policy's outcome."""
     A = torch.tensor(a, dtype=torch.float64)  # [policies in a, n]
     B = torch.tensor(b, dtype=torch.float64)  # [policies in b, n]
     spread = lambda acc: (acc.max(0).values - acc.min(0).values)  # over policies
+    if A.shape[1] < 2:
+        return spread(A.mean(-1)).item(), spread(B.mean(-1)).item(), None, None
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(A.shape[1], (resamples, A.shape[1]), generator=g)  # [resamples, n]
     d = spread(A[:, idx].mean(-1)) - spread(B[:, idx].mean(-1))  # [resamples]
     lo, hi = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return spread(A.mean(-1)).item(), spread(B.mean(-1)).item(), lo, hi
+
+
+def interval(lo: float | None, hi: float | None, digits: int = 3) -> str:
+    """A 95 % interval as the tables print it: '[-0.420, -0.220]', or 'undefined (n = 1)' where bootstrap_diff
+    had a single item."""
+    return "undefined (n = 1)" if lo is None else f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def mean_se(d: list[float], digits: int = 4) -> str:
+    """Mean ± standard error: '+0.0061 ± 0.0020'; the standard error of one value is undefined, and the table says
+    so, '+0.0061 ± undefined (n = 1)', rather than print nan."""
+    t = torch.tensor(d, dtype=torch.float64)
+    se = f"{t.std().item() / math.sqrt(len(t)):.{digits}f}" if len(t) > 1 else "undefined (n = 1)"
+    return f"{t.mean().item():+.{digits}f} ± {se}"
 
 
 def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
@@ -83,7 +103,7 @@ def paired_accuracy(rows: list[dict], base: dict) -> str:
         if got:
             acc, d, lo, hi, n10, n01, p = got
             lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['protect']} | {acc:.3f} | {d:+.3f} | "
-                         f"[{lo:+.3f}, {hi:+.3f}] | {n10} / {n01} | {p:.3g} |")
+                         f"{interval(lo, hi)} | {n10} / {n01} | {p:.3g} |")
     n = len(outcomes(base))
     return "\n".join(lines + [f"n = {n} problems: no difference below {min_detectable(n):.3f} can reach p < 0.05"])
 
@@ -97,10 +117,8 @@ def paired(rows: list[dict], base: str = "snapkv") -> str:
         b = ref.get(r["budget"])
         if r["policy"] in ("full", base) or b is None or len(b) != len(r.get("kl_by_trace", [])):
             continue
-        d = torch.tensor(r["kl_by_trace"]) - torch.tensor(b)
-        se = d.std().item() / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-        lines.append(f"| {r['policy']} | {r['budget']} | {d.mean().item():+.4f} ± {se:.4f} | "
-                     f"{int((d < 0).sum())}/{len(d)} |")
+        d = [x - y for x, y in zip(r["kl_by_trace"], b)]
+        lines.append(f"| {r['policy']} | {r['budget']} | {mean_se(d)} | {sum(x < 0 for x in d)}/{len(d)} |")
     head = [f"KL difference against {base} per trace (mean ± standard error; lower in x/N traces):",
             "| policy | budget | Δ KL | lower |", "|---|---|---|---|"]
     return "\n".join(head + lines) if lines else ""

@@ -37,7 +37,9 @@ def load_data(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{path} line {i}: not valid JSON ({e.msg})") from None
+            raise UsageError(f"{path} line {i}: not valid JSON ({e.msg}): fix or delete that line") from None
+        except RecursionError:  # the decoder recurses once per level of [ or {
+            raise UsageError(f"{path} line {i}: JSON nested too deeply to read: fix or delete that line") from None
         q = row.get("problem", row.get("question")) if isinstance(row, dict) else None
         if not isinstance(q, str) or "answer" not in row:
             missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"

@@ -5,6 +5,7 @@ for every scorer, eviction invariants, the default model, and one-line messages 
 Run: python -m pytest -q test_all.py
 """
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -32,6 +33,7 @@ import generate as G
 import kernels
 import model as M
 import policies as P
+import plot
 import probes
 import results as R
 import stats
@@ -1169,6 +1171,7 @@ BAD_GENERATE = [
     (["--policy", "snapkv", "--compare", "--vs", "snapkv"], "--vs snapkv is the --policy itself"),
     (["--policy", "snapkv", "--compare", "--vs", "nope"], "invalid choice"),
     (["--policy", "snapkv", "--compare", "--vs", "random", "--budget", "100"], "the protected prompt (54 tokens)"),
+    (["--policy", "snapkv", "--n", "--budget", "96"], "unrecognized arguments: --n"),  # not --no-protect-prompt
 ]
 
 
@@ -1176,6 +1179,39 @@ BAD_GENERATE = [
 def test_bad_cli_input_one_line(args, needle, capsys):
     """Each user mistake exits non-zero with one line naming the problem and the fix."""
     assert needle in one_line_exit(G.main, args, capsys)
+
+
+def test_parser_refuses_a_prefix_of_a_flag(capsys):
+    """cli.Parser takes a long option only whole: a prefix (`--n` of `--no-protect-prompt`, `--min` of
+    `--min-tokens`) is an unknown argument, on a subcommand too, where argparse would silently expand it."""
+    ap = cli.Parser()
+    ap.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction)
+    sub = ap.add_subparsers(dest="cmd")
+    sub.add_parser("fidelity").add_argument("--min-tokens", type=int)
+    assert ap.parse_args(["--no-protect-prompt", "fidelity", "--min-tokens", "5"]).min_tokens == 5
+    assert "unrecognized arguments: --n" in one_line_exit(ap.parse_args, ["--n", "fidelity"], capsys)
+    assert "unrecognized arguments: --min 5" in one_line_exit(ap.parse_args, ["fidelity", "--min", "5"], capsys)
+
+
+# every command line with its own parser and a prefix of one of its flags (generate.py and eval.py are in the bad
+# input tables); the tools that cannot import cli set allow_abbrev themselves
+PREFIXES = [("weights.py", ["--mod", "x"]), ("tools/regrade.py", ["f.json", "--data-d", "x"]),
+            ("tools/show_answers.py", ["--max-new", "5", "--model", "m", "--data", "d", "--problems", "1"]),
+            ("tools/claims.py", ["f.json", "--part"]),
+            ("tools/compare_configs.py", ["--on", "x"]), ("tools/compare_llamacpp.py", ["--run", "1"]),
+            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--smo"])]
+
+
+@pytest.mark.parametrize("path, argv", PREFIXES, ids=[p for p, _ in PREFIXES])
+def test_every_command_line_refuses_a_prefix(monkeypatch, capsys, path, argv):
+    """Each script's parser refuses a prefix of one of its flags before it does anything (argparse's exit 2)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(HERE, path), run_name="__main__")
+    prefix = next(a for a in argv if a.startswith("--"))
+    assert e.value.code == 2 and f"unrecognized arguments: {prefix}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", [2**70, 2 * 10**13, -5])
@@ -1355,12 +1391,17 @@ def test_broken_pipe_is_quiet():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
-def test_full_disk_is_one_line():
-    """`python generate.py > /dev/full`: writing the answer fails (ENOSPC); one line on stderr, a non-zero exit."""
+def test_full_disk_is_one_line(tiny_lab, capsys):
+    """`python generate.py > /dev/full`: writing the answer fails (ENOSPC); one line on stderr names stdout and where it
+    goes, a non-zero exit. `--kept-json /dev/full` names that file."""
     p = run_py(f"{sys.executable} generate.py --max-new-tokens 4 > /dev/full", shell=True)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-    assert p.returncode == 1 and "Traceback" not in p.stderr and errors == ["error: cannot write the output: No space "
-                                                                             "left on device"], p.stderr
+    assert p.returncode == 1 and "Traceback" not in p.stderr and errors == [
+        "error: cannot write to stdout (/dev/full): No space left on device: free some space there or write elsewhere"
+    ], p.stderr
+    argv = ["--model", tiny_lab.model, "--max-new-tokens", "4", "--kept-json", "/dev/full"]
+    assert one_line_exit(G.main, argv, capsys) == ("error: cannot write --kept-json /dev/full: No space left on device: "
+                                                   "free some space there or write elsewhere")
 
 
 # -----------------------------------------------------------------------------
@@ -2066,6 +2107,7 @@ BAD_EVAL = [
     (["bench", "--steps", "0"], "--steps"),
     (["bench", "--side-by-side", "--batch-sizes", "1,4", "--steps", "8", "--contexts", "150"], "--side-by-side"),
     (["bench", "--threads", "-1"], "--threads"),
+    (["fidelity", "--min-tok", "5"], "unrecognized arguments: --min-tok"),  # a prefix, on a subcommand
 ]
 
 
@@ -2078,7 +2120,7 @@ def test_bad_eval_input_is_one_line(argv, msg, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("content, needle", [("[1, 2]", "row 1 is not a row"), ("{}", "not a JSON list"),
-                                             (None, "is a directory")])
+                                             (None, "is a directory"), ("[" * 10**5, "not a JSON list")])
 def test_bad_out_file_is_one_line(tmp_path, capsys, content, needle):
     """--out that is a directory, or a JSON file that is not a list of rows, is refused in one line."""
     out = tmp_path / "out"
@@ -2086,10 +2128,62 @@ def test_bad_out_file_is_one_line(tmp_path, capsys, content, needle):
     assert needle in one_line_exit(ev.main, ["bench", "--policies", "full", "--out", str(out)], capsys)
 
 
+@pytest.mark.parametrize("cmd", ["accuracy", "fidelity", "perturbation", "probe --probe heads"])
+def test_n_past_the_data_file_is_refused(tiny_lab, tmp_path, capsys, cmd):
+    """--n 100 on a file of 8 problems is refused in one line naming both numbers (rows would say n = 100 and hold 8),
+    in each subcommand whose --n counts problems; the passcode probe's --n counts probes, which 8 rows can fill."""
+    out = tmp_path / "rows.json"
+    argv = [*cmd.split(), "--model", tiny_lab.model, "--data", tiny_lab.data, "--n", "100", "--out", str(out)]
+    msg = one_line_exit(ev.main, argv, capsys)
+    assert f"{tiny_lab.data} has 8 problems; --n 100 " in msg and "pass --n 8 or fewer" in msg and not out.exists()
+    rows = T.load_data(tiny_lab.data)
+    ev.check_n(SimpleNamespace(cmd="probe", probe="passcode", n=100, data=tiny_lab.data), rows)  # no refusal
+
+
+@pytest.mark.parametrize("long, n, needle, fix", [
+    (3000, 2, "past the model's 2048 positions: lower --n to 1 (conversations open with the shortest problems)",
+     ["--n", "1"]),
+    (1500, 1, "past the traces' cache of 1404 (--min-tokens + 2 x --max-new-tokens + 1024): raise --min-tokens to at "
+              "least 507", ["--min-tokens", "507"]),
+])
+def test_a_first_turn_that_cannot_fit_names_the_limit(tiny_lab, tmp_path, capsys, long, n, needle, fix):
+    """A conversation's first problem too long for the model's 2,048 positions is refused before anything is decoded,
+    naming both numbers and a fix that can work (fewer conversations: they open with the shortest problems), not
+    'raise --min-tokens'; one that fits the model but not the traces' cache names the --min-tokens that fits it. The
+    fix each message names then runs."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "1"}) + "\n" for q in ["x" * long, "1 + 0?"][:n]))
+    argv = ["fidelity", "--model", tiny_lab.model, "--data", str(data), "--policies", "snapkv", "--budgets", "128",
+            "--buffer", "16", "--max-new-tokens", "40", "--min-tokens", "300", "--n", str(n)]
+    msg = one_line_exit(ev.main, argv, capsys)
+    assert "a conversation's first turn is" in msg and needle in msg, msg
+    ev.main(argv + fix + ["--out", str(tmp_path / "rows.json")])
+    assert len(R.read_rows(tmp_path / "rows.json")) == 2  # the full cache and snapkv
+
+
+def test_no_chat_template_is_said_once_and_keyed(tiny_lab, tmp_path, capsys):
+    """A model without a chat template: stderr says once that its prompts go in as plain text, and its rows' keys hold
+    "template": "none", so they never pair with rows made with a template. A model with one (the named models, a
+    directory with a template) gets no such field: the rows saved before it existed keep their keys."""
+    out = tmp_path / "rows.json"
+    ev.main(["accuracy", "--model", tiny_lab.model, "--data", tiny_lab.data, "--policies", "full", "--n", "2",
+             "--batch-size", "1", "--max-new-tokens", "4", "--out", str(out)])  # two batches: two prompts rendered
+    assert capsys.readouterr().err.count("has no chat template") == 1
+    assert [r["template"] for r in R.read_rows(out)] == ["none"]
+    templated = tokenizer_dir(tmp_path / "t", chat_template=TURNS)
+    for model in ([], ["--model", templated], ["--model", "qwen2.5-coder-1.5b"]):
+        assert "template" not in ev.model_settings(args_for("accuracy", *model))
+    row = R.read_rows(out)[0]
+    assert not plot.same_problems(row, {k: v for k, v in row.items() if k != "template"})
+
+
 @pytest.mark.parametrize("content, msg", [(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n', "line 2: missing field 'answer'"),
-                                          (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8")])
+                                          (b'{"problem": "caf\xe9", "answer": "2"}\n', "not UTF-8"),
+                                          (b'{"problem": "1+1?", "answer": "2"}\n{"answer": ' + b"[" * 10**5
+                                           + b"]" * 10**5 + b"}\n", "line 2: JSON nested too deeply to read")])
 def test_bad_jsonl(tmp_path, capsys, content, msg):
-    """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so."""
+    """A jsonl row without the expected field names its line and the field; a file that is not UTF-8 says so; a line
+    nested deeper than the JSON decoder recurses (a RecursionError) names its line."""
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content)
     assert msg in one_line_exit(ev.main, ["accuracy", "--data", str(bad)], capsys)
@@ -2113,6 +2207,21 @@ def test_paired_differences():
             {"policy": "h2o", "budget": 128, "kl_by_trace": [0.5, 2.5, 2.0]}]
     line = stats.paired(rows).splitlines()[-1]
     assert line == "| h2o | 128 | -0.3333 ± 0.4410 | 2/3 |"
+
+
+def test_a_mean_of_one_says_its_spread_is_undefined():
+    """Of one trace or one problem the standard error and the bootstrap interval are undefined: the tables say so
+    with n = 1, never '± nan' or a zero-width interval that would look certain."""
+    rows = [{"policy": "snapkv", "budget": 128, "kl_by_trace": [1.0]}, {"policy": "h2o", "budget": 128,
+                                                                         "kl_by_trace": [1.0061]}]
+    assert stats.paired(rows).splitlines()[-1] == "| h2o | 128 | +0.0061 ± undefined (n = 1) | 0/1 |"
+    assert stats.bootstrap_diff([True], [False]) == (1.0, None, None)
+    assert stats.spread_diff([[1], [0]], [[1], [1]]) == (1.0, 0.0, None, None)
+    one = lambda policy, ok: {"policy": policy, "budget": 128, "protect": False,
+                              "per_problem": [{"i": 0, "correct": ok}]}
+    base = one("full", True)
+    line = stats.paired_accuracy([base, one("snapkv", False)], base).splitlines()[2]
+    assert line == "| snapkv | 128 | False | 0.000 | -1.000 | undefined (n = 1) | 0 / 1 | 1 |"
 
 
 def test_conversation_plans():
@@ -2581,6 +2690,11 @@ BAD_PLOT = [
     ("text", "not json", "is neither a result file of eval.py"),
     ("object", '{"rows": []}', "is neither a result file of eval.py"),
     ("bad-row", json.dumps([dict(plot_rows()[1], kl_by_trace=["x"])]), "has a bad 'kl_by_trace'"),
+    ("no-kl", json.dumps(plot_rows()[:1] + [{k: v for k, v in plot_rows()[1].items() if k != "kl"}]),
+     "row 2 (snapkv, budget 64) has no 'kl', which a fidelity row needs here"),
+    ("no-policy", json.dumps([{k: v for k, v in plot_rows()[1].items() if k != "policy"}]),
+     "row 1 (None, budget 64) has no 'policy', which a fidelity row needs here"),
+    ("bad-kl", json.dumps([dict(plot_rows()[1], kl="x")]), "has a bad 'kl': \"x\""),
     ("bad-map", '{"kind": "kept", "positions": 4, "heads": [[9]]}', "a kept map needs"),
     ("missing", None, "is not a file"),
 ]
@@ -2656,6 +2770,26 @@ def test_regrade_grades_stored_answers_and_the_sweep_finds_them_done(tiny_lab, t
     out.write_text(json.dumps([old]))
     assert "is not the data file this row was run on" in one_line_exit(regrade.main, [str(out), "--data-dir",
                                                                                         str(tmp_path)], capsys)
+
+
+@pytest.mark.parametrize("i", [4, -1])
+def test_regrade_refuses_a_problem_past_the_data_file(tmp_path, capsys, i):
+    """tools/regrade.py on a row that holds problem 4 (or -1) of a 4-problem file says so in one line naming the file
+    and the row, instead of an IndexError (or grading problem 3 in its place); the file is left as it was."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import regrade
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {k}?", "answer": str(k)}) + "\n" for k in range(4)))
+    pp = [{"i": k, "correct": False, "answered": True, "loop": False, "tokens": 5, "stop": "eos", "evictions": 0,
+           "kept": 1.0, "pred": str(k)} for k in (0, i)]
+    row = {"task": "accuracy", "policy": "full", "budget": None, "data": "m.jsonl", "data_sha": T.file_hash(str(data)),
+           "grading": 0, "accuracy": 0.0, "per_problem": pp}
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps([row]))
+    msg = one_line_exit(regrade.main, [str(out), "--data-dir", str(tmp_path)], capsys)
+    assert f"{out} row 1 (full, budget None) holds problem {i}, but its data file m.jsonl has problems 0 to 3" in msg
+    assert json.loads(out.read_text()) == [row]
 
 
 def test_claims_tables_pair_every_row_by_problem(tmp_path):
@@ -2858,7 +2992,7 @@ def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_pa
     views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
              for name, (run, rec, ids, _) in runs.items()]
     page = tmp_path / "kept.html"
-    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
     run, rec, ids, _ = runs["vase"]
     step, layer, fed = 26, 1, len(prompt) + len(ids) - 1
     # between two rounds, so that the map also shows positions fed since the last one
@@ -2896,7 +3030,7 @@ def test_viewer_shows_hostile_text_as_text(recorded, tiny, tmp_path):
     pieces = [HOSTILE[i % len(HOSTILE)] for i in range(n)]
     views = [viewer.view(name, run, rec, prompt, ids, pieces) for name, (run, rec, ids, _) in runs.items()]
     page = tmp_path / "hostile.html"
-    viewer.write(str(page), views, tiny.cfg, len(prompt))
+    page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
     ff = HOSTILE.index(b"\xff") + len(HOSTILE)  # an answer token
     dom = Dom(chromium(page.as_uri() + f"#token={ff}", tmp_path, "--dump-dom"))
     assert "data-pwned" not in dom.root and "data-errors" not in dom.root

@@ -8,6 +8,7 @@ eos_token.
 """
 
 import json
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -24,6 +25,11 @@ def byte_chars() -> list[str]:
 
 BYTE_CHARS = byte_chars()  # e.g. BYTE_CHARS[32] == "Ġ" (a space)
 BYTE_OF = {c: b for b, c in enumerate(BYTE_CHARS)}
+
+
+def tokenizer_config(path: Path) -> dict:
+    tc = path / "tokenizer_config.json"
+    return read_json(tc) if tc.exists() else {}
 
 
 def chat_template(path: Path, config: dict) -> tuple[str | None, Path]:
@@ -79,10 +85,10 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
             raise ModelError(f"{path / 'tokenizer.json'} cannot be read ({str(e).splitlines()[0]}): "
                              "re-download or re-convert the model") from None
-        tc = path / "tokenizer_config.json"
-        self.config = read_json(tc) if tc.exists() else {}
+        self.path, self.config = path, tokenizer_config(path)
         self.template, self.template_file = chat_template(path, self.config)
         self.compiled = None  # the template, compiled on first use
+        self.said_plain = False  # whether we told the user that prompts go in as plain text
         special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
         self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
         cfg = ModelConfig.from_hf(path)
@@ -115,6 +121,10 @@ class Tokenizer:
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the model's own Jinja chat template, as HF's apply_chat_template does."""
         if not self.template:  # a base model: plain text, turn after turn
+            if not self.said_plain:  # not silently: an instruct model without its template answers worse
+                print(f"note: {self.path} has no chat template (chat_template.jinja, or chat_template in "
+                      "tokenizer_config.json): prompts go in as plain text, one message per line", file=sys.stderr)
+                self.said_plain = True
             return "\n".join(m["content"] for m in messages) + "\n"
         try:
             self.compiled = self.compiled or template_env().from_string(self.template)

@@ -26,6 +26,39 @@ def turn_ids(tok, messages: list[dict], text: str) -> tuple[list[int], str]:
     return tok.encode(full[len(text) :]), full
 
 
+def trace_cap(args) -> int:
+    """The packed conversations' cache: --min-tokens, then the answer that crosses it, one more problem's turn (up to
+    1,024 tokens) and its answer. A later problem that does not fit ends its conversation."""
+    return args.min_tokens + 2 * args.max_new_tokens + 1024
+
+
+def first_turns(tok, plans: list[list[str]]) -> list[int]:
+    """Tokens of each conversation's first turn, the system message and its first problem (what --protect-prompt
+    keeps)."""
+    return [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
+            for p in plans]
+
+
+def check_first_turns(lens: list[int], args, limit: int):
+    """Refuse, naming the numbers, a conversation whose first turn and answer do not fit. Past the model's `limit`
+    positions only fewer conversations (they open with the shortest problems) or shorter answers help; below it, a
+    larger --min-tokens, which sizes the traces' cache."""
+    first, M = max(lens), args.max_new_tokens
+    need = first + M
+    if need > limit:
+        fits = sum(n + M <= limit for n in lens)
+        fixes = [f"lower --n to {fits} (conversations open with the shortest problems)"] if fits else []
+        fixes += [f"lower --max-new-tokens to {limit - first}"] if first < limit else []
+        fix = " or ".join(fixes) or "no problem of this file is short enough; pass shorter ones"
+        raise UsageError(f"{args.data}: a conversation's first turn is {first} tokens (the system message and its "
+                         f"problem), {need} with its answer (--max-new-tokens {M}), past the model's {limit} "
+                         f"positions: {fix}")
+    if need > trace_cap(args):
+        raise UsageError(f"{args.data}: a conversation's first turn is {first} tokens, {need} with its answer "
+                         f"(--max-new-tokens {M}), past the traces' cache of {trace_cap(args)} (--min-tokens + 2 x "
+                         f"--max-new-tokens + 1024): raise --min-tokens to at least {first - M - 1024}")
+
+
 def conversation_plans(tok, questions: list[str], n: int) -> list[list[str]]:
     """n conversations: each opens with one of the n shortest problems, so that its first turn (what
     --protect-prompt keeps) fits a small K - r; then the other problems follow, dealt round-robin in file order,
@@ -40,7 +73,7 @@ def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
     """Greedy full-cache conversations, one batch row each: problem, answer, next problem, ... until the row holds
     --min-tokens. Rows decode together; a row whose answer ends feeds its next problem's turn in the same step as
     the others' next token. Returns per conversation its ids, prompt length (first turn) and the answer spans."""
-    cap = args.min_tokens + 2 * args.max_new_tokens + 1024
+    cap = trace_cap(args)
     run = make_run("full", None, args.buffer, None, [1] * len(plans))
     cache = make_cache(model, run, cap)
     convs = [{"messages": [{"role": "system", "content": SYSTEM}], "text": "", "ids": [], "spans": [],
@@ -51,9 +84,8 @@ def pack_conversations(model, tok, plans: list[list[str]], args) -> list[dict]:
             return None
         c["messages"].append({"role": "user", "content": c["todo"].pop(0)})
         new, c["text"] = turn_ids(tok, c["messages"], c["text"])
-        if len(c["ids"]) + len(new) + args.max_new_tokens > cap:
-            if not c["ids"]:
-                raise UsageError(f"a problem of {len(new)} tokens does not fit the trace cache: raise --min-tokens")
+        if len(c["ids"]) + len(new) + args.max_new_tokens > cap:  # the conversation ends here
+            assert c["ids"], "a first turn that does not fit is refused before packing (check_first_turns)"
             return None
         c["ids"] += new
         c.setdefault("prompt_len", len(c["ids"]))  # the system message and the first problem

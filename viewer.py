@@ -152,8 +152,3 @@ def page(views: list[dict], cfg, prompt_len: int) -> str:
     return TEMPLATE.read_text(encoding="utf-8").replace("__DATA__", embed(data), 1)
 
 
-def write(path: str, views: list[dict], cfg, prompt_len: int) -> int:
-    """Write the page; returns its size in bytes."""
-    html = page(views, cfg, prompt_len).encode("utf-8")
-    Path(path).write_bytes(html)
-    return len(html)

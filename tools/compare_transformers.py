@@ -151,10 +151,12 @@ def speed(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="nanokv against transformers on the same GGUF: parity and speed.")
+    # no prefixes of flags, as cli.Parser; a subcommand's parser needs it too (its class is plain argparse's)
+    ap = argparse.ArgumentParser(description="nanokv against transformers on the same GGUF: parity and speed.",
+                                 allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("parity", "speed", "one"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, allow_abbrev=False)
         p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a model name weights.py knows")
     sub.choices["speed"].add_argument("--runs", type=int, default=3, help="alternating pairs per batch size")
     sub.choices["speed"].add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])

@@ -89,7 +89,8 @@ def check_policies(path: str, device: str, dtype, budget: int, buffer: int, new_
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Check the CUDA / Triton path and record its speed.")
+    # no prefixes of flags, as cli.Parser; not imported: torch must wait until TRITON_INTERPRET is set
+    ap = argparse.ArgumentParser(description="Check the CUDA / Triton path and record its speed.", allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="steps 1-2 on the CPU with a tiny shape (for the tests)")
     ap.add_argument("--out", default="results/cuda_bench.json", help="where step 3 writes its rows")
     args = ap.parse_args()

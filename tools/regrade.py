@@ -13,20 +13,25 @@ Rows that keep their text have their answers extracted again too; an older row's
 then (a change to tasks.extract_answer needs those decoded again).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from cli import UsageError  # noqa: E402
+from cli import Parser, UsageError  # noqa: E402
 from results import locked, read_rows, unpack_text, write_json  # noqa: E402
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, load_data  # noqa: E402
 
 
-def regrade(row: dict, data: list[dict]) -> tuple[dict, list[int]]:
+def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     """row graded by the current rule, and the problems whose verdict changed. A problem that keeps its generated text
-    (text_z) has its answer extracted again too; an older one is graded from its stored answer."""
+    (text_z) has its answer extracted again too; an older one is graded from its stored answer. A problem index outside
+    the data file (a hand-edited row: the file's hash is the row's) is refused, naming the row; a negative one would
+    count back."""
+    bad = next((p["i"] for p in row["per_problem"] if not 0 <= p["i"] < len(data)), None)
+    if bad is not None:
+        raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data "
+                         f"file {row['data']} has problems 0 to {len(data) - 1}: fix or delete that row, then rerun")
     per, changed = [], []
     for p in row["per_problem"]:
         gold = data[p["i"]]["answer"]
@@ -48,7 +53,7 @@ def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Grade accuracy rows again by the current rule, from their answers.")
+    ap = Parser(description="Grade accuracy rows again by the current rule, from their answers.")
     ap.add_argument("files", nargs="+", help="result files of eval.py accuracy (their --out)")
     ap.add_argument("--data-dir", default=str(DATA), help="where the rows' data files are (default: data/)")
     args = ap.parse_args(argv)
@@ -59,7 +64,7 @@ def main(argv=None):
                 raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
                 rows, out = read_rows(f), []
-                for r in rows:
+                for k, r in enumerate(rows, 1):
                     key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
                     if key and key not in read:
                         read[key] = data_of(*key, Path(args.data_dir))
@@ -67,7 +72,7 @@ def main(argv=None):
                     if data is None or r.get("grading") == grading(data):
                         out.append(r)
                         continue
-                    new, changed = regrade(r, data)
+                    new, changed = regrade(r, data, f"{f} row {k}")
                     print(f"{f}: {r['policy']} on {r['data']} (n = {len(r['per_problem'])}): grading "
                           f"{r.get('grading')} -> {new['grading']}, accuracy {r['accuracy']:.2f} -> "
                           f"{new['accuracy']:.2f}, changed: {changed or 'none'}")

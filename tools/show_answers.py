@@ -12,13 +12,13 @@ With --row, each problem's extracted answer is also compared with the one the sw
 a time; fp32 batches of another size can round differently).
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+from cli import Parser  # noqa: E402
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, load, make_run  # noqa: E402
 from tasks import is_correct, load_data  # noqa: E402
@@ -32,7 +32,7 @@ def stored(path: str, data: str, max_new_tokens: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Decode chosen problems again and show what the grader read.")
+    ap = Parser(description="Decode chosen problems again and show what the grader read.")
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--problems", required=True, help="comma list of problem indices (0-based, in file order)")
