@@ -34,7 +34,8 @@ from results import (Progress, check_writable, merge, model_key, pack_text, read
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
-from traces import check_first_turns, conversation_plans, first_turns, pack_conversations, replay, targets, trace_cap
+from traces import (check_first_turns, conversation_plans, first_turn, first_turns, long_answers, pack_conversations,
+                    replay, targets, trace_cap)
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -68,14 +69,16 @@ def traces(args, lab: dict) -> list[dict]:
     """The packed fidelity traces, cached beside --out so that a rerun does not regenerate them."""
     if "traces" in lab:
         return lab["traces"]
+    long = getattr(args, "long", None)
     key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
-           "max_new_tokens": args.max_new_tokens, **model_settings(args)}
+           "max_new_tokens": args.max_new_tokens, **model_settings(args), **({"long": long} if long else {})}
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
-        plans = conversation_plans(tok, [r["question"] for r in load_data(args.data)], args.n)
-        out = []
+        questions = [r["question"] for r in load_data(args.data)]
+        out = long_answers(model, tok, questions, args) if long else []
+        plans = [] if long else conversation_plans(tok, questions, args.n)
         for i in range(0, len(plans), args.batch_size):
             out += pack_conversations(model, tok, plans[i : i + args.batch_size], args)
         saved = {"key": key, "traces": out}
@@ -104,22 +107,24 @@ def full_logprobs(args, lab: dict, i: int, tr: dict, at: torch.Tensor) -> torch.
 def fidelity(args, job: dict, lab: dict) -> dict:
     model, _ = model_of(args, lab)
     kl = top1 = gap = n = 0.0
-    by_trace = []  # mean KL per trace: the same traces for every policy, so differences can be paired
+    by_trace, rounds, shares = [], [], []  # per trace: the same traces for every policy, so they can be paired
     for i, tr in enumerate(traces(args, lab)):
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
         p = full_logprobs(args, lab, i, tr, at)
-        if job["policy"] == "full":  # the reference itself: KL 0, no second replay
-            q = p
-        else:
-            q = replay(model, tr["ids"], run_for(job, args, tr["prompt_len"]))[at].log_softmax(-1)
+        run = run_for(job, args, tr["prompt_len"])
+        kept = kept_share(run)
+        q = p if job["policy"] == "full" else replay(model, tr["ids"], run)[at].log_softmax(-1)  # full: KL 0
+        rounds.append(run.rounds[0])
+        shares.append(kept(0, len(tr["ids"]) - tr["prompt_len"] + 1))  # every token after the prompt was fed
         by_trace.append((p.exp() * (p - q)).sum().item())
         kl += by_trace[-1]
         by_trace[-1] /= len(at)
         top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
         gap += (p.gather(1, nxt) - q.gather(1, nxt)).sum().item()
         n += len(at)
-    return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace}
+    return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace,
+            "mean_evictions": sum(rounds) / len(rounds), "mean_kept": sum(shares) / len(shares)}
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
@@ -251,7 +256,7 @@ def make_jobs(args) -> list[dict]:
         jobs = [{"policy": "full", "budget": None, "protect": None, "heads": k} for k in args.heads]
         extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME, "scored": "digits"}  # not the space before them
     if args.cmd in ("fidelity", "perturbation"):
-        extra = {"min_tokens": args.min_tokens}
+        extra = {"min_tokens": args.min_tokens, **({"long": args.long} if args.long else {})}  # old rows keep keys
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
         extra = {"grading": grading(load_data(args.data))}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
@@ -263,14 +268,19 @@ def make_jobs(args) -> list[dict]:
 
 def check_jobs(args, jobs: list[dict], lab: dict):
     """Refuse, in one line and before the first job runs, any setting that would fail mid-sweep."""
-    for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap"):
+    for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap", "long"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
     rows = load_data(args.data)
     check_n(args, rows)
     model, tok = model_of(args, lab)
     limit = model.cfg.max_position_embeddings
-    if args.cmd in ("fidelity", "perturbation") or args.cmd == "probe" and args.probe == "heads":
+    long = getattr(args, "long", None)
+    if long:  # single long answers: any problem of the file may be one, and its answer must fit; the prompts that
+        # --protect-prompt keeps are those of the answers found (generated here, once: they are saved with --out)
+        longest = max(len(first_turn(tok, r["question"])) for r in rows) + args.max_new_tokens
+        lens = [tr["prompt_len"] for tr in traces(args, lab)] if longest <= limit else []
+    elif args.cmd in ("fidelity", "perturbation") or args.cmd == "probe" and args.probe == "heads":
         # the conversations open with the n shortest problems: what --protect-prompt keeps, and what must fit
         lens = first_turns(tok, conversation_plans(tok, [r["question"] for r in rows], args.n))
         check_first_turns(lens, args, limit)
@@ -284,7 +294,7 @@ def check_jobs(args, jobs: list[dict], lab: dict):
         pr = lab["probes"] = [build_probe(tok, rows, i, args.seed, args.probe, args.where, args.gap)
                               for i in range(args.n)]  # every job replays these same probes
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
-    else:  # fidelity / perturbation: the traces' cache
+    elif not long:  # fidelity / perturbation: the traces' cache
         longest = trace_cap(args)
     if longest > limit:
         raise UsageError(f"these settings need sequences of up to {longest} tokens, past the model's {limit} "
@@ -342,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", parents=[shared], help="teacher-forced KL / top-1 / NLL gap vs the full cache")
     p.add_argument("--min-tokens", type=int, default=1024, help="pack problems into each conversation until it "
                    "holds this many tokens")
+    p.add_argument("--long", type=int, default=None, metavar="T", help="instead of packed conversations: one problem "
+                   "each, the first --n of --data whose greedy full-cache answer (up to --max-new-tokens) runs to T "
+                   "tokens or more (long-trace fidelity)")
     sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
     p = sub.add_parser("probe", parents=[shared], help="passcode / planted-fact recall after a long trace")
     p.add_argument("--probe", choices=["passcode", "fact", "heads"], default="passcode", help="passcode: a code said "
@@ -354,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perturbation", parents=[shared], help="CriticalKV's ||o - o_hat||_1 against the "
                        "uncompressed cache at each eviction")
     p.add_argument("--min-tokens", type=int, default=1024, help="as for fidelity (the same traces)")
+    p.add_argument("--long", type=int, default=None, metavar="T", help="as for fidelity (the same traces)")
     import bench  # the speed benchmark lives in its own file
 
     bench.add_arguments(sub.add_parser("bench", parents=[common], help="decode speed, eviction cost, peak memory"))

@@ -103,9 +103,9 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     protect = p.protect_prompt if protect is None else protect
     keep = max(lens) if protect else N_SINK
     if keep > budget - buffer:
-        what = f"the protected prompt ({keep} tokens)" if protect else f"the {N_SINK} sink tokens"
+        what = f"the protected prompt ({keep} tokens) does" if protect else f"the {N_SINK} sink tokens do"
         fix = " or --no-protect-prompt" if protect else ""
-        raise UsageError(f"{what} do not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
+        raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [])
 

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from cli import UsageError
-from generate import feed, make_cache, make_run
+from generate import feed, generate, make_cache, make_run
 from model import ModelError
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
@@ -35,8 +35,7 @@ def trace_cap(args) -> int:
 def first_turns(tok, plans: list[list[str]]) -> list[int]:
     """Tokens of each conversation's first turn, the system message and its first problem (what --protect-prompt
     keeps)."""
-    return [len(turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p[0]}], "")[0])
-            for p in plans]
+    return [len(first_turn(tok, p[0])) for p in plans]
 
 
 def check_first_turns(lens: list[int], args, limit: int):
@@ -66,6 +65,31 @@ def conversation_plans(tok, questions: list[str], n: int) -> list[list[str]]:
     order = sorted(range(len(questions)), key=lambda i: (len(tok.encode(questions[i])), i))
     openers, rest = order[:n], sorted(order[n:])
     return [[questions[openers[c]]] + [questions[i] for i in rest[c::n]] for c in range(n)]
+
+
+def first_turn(tok, question: str) -> list[int]:
+    """A conversation's first turn: the system message and one problem (what --protect-prompt keeps)."""
+    return turn_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], "")[0]
+
+
+@torch.inference_mode()
+def long_answers(model, tok, questions: list[str], args) -> list[dict]:
+    """Long-trace fidelity's traces (--long T): one problem each, answered greedily with the full cache (up to
+    --max-new-tokens), taken in file order, --batch-size problems at a time, keeping the answers that run to at least T
+    tokens until --n are found. Where a reasoning trace is long, not where several short ones are packed."""
+    out = []
+    for i in range(0, len(questions), args.batch_size):
+        prompts = [first_turn(tok, q) for q in questions[i : i + args.batch_size]]
+        run = make_run("full", None, args.buffer, None, [len(p) for p in prompts])
+        for p, a in zip(prompts, generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]):
+            a = a[:-1] if a[-1] in tok.eos_ids else a  # the end token is the template's, as in pack_conversations
+            if len(a) >= args.long:
+                out.append({"ids": p + a, "prompt_len": len(p), "spans": [(len(p), len(p) + len(a))]})
+        if len(out) >= args.n:
+            return out[: args.n]
+    raise UsageError(f"{len(out)} of the {len(questions)} problems in {args.data} have greedy answers of --long "
+                     f"{args.long} tokens or more (up to --max-new-tokens {args.max_new_tokens}): lower --n to "
+                     f"{len(out)} or --long, or pass more or harder problems")
 
 
 @torch.inference_mode()
