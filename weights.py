@@ -155,6 +155,8 @@ def check_manifest(model_dir: Path, full: bool = False) -> str | None:
         return "no valid manifest"
     for f in MODEL_FILES:
         path, want = model_dir / f, manifest.get(f, {})
+        if f == SIDE and f not in manifest:
+            return f"it was converted before nanokv kept the GGUF's 4-bit blocks in {SIDE}, which --quant int4 reads"
         if not path.is_file():
             return f"{f} is missing"
         st = path.stat()

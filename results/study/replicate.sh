@@ -1,0 +1,57 @@
+#!/bin/bash
+# Issue 34, do the verdicts replicate: a second model (the 0.5B on 200 GSM8K problems), a second task (the 1.5B on
+# 100 MATH-500 problems, answers up to 2,048 tokens), claim 3 by accuracy at three budgets, and long-trace fidelity
+# (single AIME answers of 1,500-4,096 tokens). Every sweep runs on --quant int4 (bf16 activations here), whose
+# full-cache accuracy on the 1.5B's 100 GSM8K problems does not differ from fp32's (RESULTS.md); each compares policies
+# within that mode, against its own full cache.
+#   bash results/study/replicate.sh A & bash results/study/replicate.sh B & wait
+# Two lanes on the 2-core CPU, each single-threaded. Each sweep's policies are split between the lanes, both writing
+# one --out (under its lock; a job the other lane has saved meanwhile is skipped), and lane A reaches each sweep first,
+# so its full-cache row is computed once; protected and unprotected rows share a file, and with it that row. Every
+# command resumes where it stopped (an accuracy job's finished batches are in its .progress file). The steps run in
+# the order of what matters most, so that lanes stopped early have run the most important: what comes last is cut
+# first (claim 3's looser budget, the 0.5B's unprotected half, the long-trace K = 256 runs). Each step's start and end
+# go to results/study/replicate.log.
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+lane=$1
+log() { echo "$(date -u +%FT%TZ) lane $lane: $*" >> results/study/replicate.log; }
+step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
+
+Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16"
+# the 0.5B's 200 problems: K = 208, r = 16 (the longest protected prompt, 178 tokens, fits K - r = 192; a median
+# answer, 280 tokens, sees ~9 rounds)
+G05="--model qwen2.5-coder-0.5b --quant int4 --batch-size 16 --data data/gsm8k_test.jsonl --n 200 --budgets 208
+     --buffer 16 --max-new-tokens 512 --out results/study/claims_q05.json"
+# MATH-500: K = 416, r = 16 (the longest protected prompt, 392 tokens, fits K - r = 400; a median answer, ~485
+# tokens, sees ~10 rounds)
+MATH="$Q15 --data data/math500.jsonl --n 100 --budgets 416 --buffer 16 --max-new-tokens 2048 --protect-prompt
+      --out results/study/math_q15.json"
+# claim 3's budget curve: every budget on the first 100 GSM8K problems whose prompt fits K = 160 with r = 16
+# (tools/short_prompts.py: the first 104 less 4, 8, 41 and 74), so that one problem set and one mode serve all three
+CURVE="$Q15 --data results/study/gsm8k_fit144.jsonl --n 100 --buffer 16 --max-new-tokens 512 --protect-prompt
+       --out results/study/curve_q15.json"
+# long traces: the first 12 problems whose greedy full-cache answer runs to 1,500-4,096 tokens, from AIME 2024, then
+# MATH-500's level-5 problems (in file order; only as many batches as it takes are decoded)
+LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 4096 --n 12
+      --out results/study/longfid_q15.json"
+
+if [ "$lane" = A ]; then
+  step python eval.py accuracy --policies snapkv,vase,vase-adversary $MATH
+  step python eval.py accuracy --policies snapkv,vase,vase-noreserve $G05 --protect-prompt
+  step python eval.py accuracy --policies snapkv,vase --budgets 160,192 $CURVE
+  step python eval.py accuracy --policies snapkv,vase,vase-noreserve $G05 --no-protect-prompt
+  step python eval.py accuracy --policies snapkv,vase --budgets 256 $CURVE
+else
+  [ -f results/study/long_pool.jsonl ] || { cat data/aime2024.jsonl; python -c "import json, sys
+sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['level'] == 5)"; } \
+    > results/study/long_pool.jsonl
+  step python eval.py fidelity --policies all --budgets 512 --buffer 64 $LONG  # the traces are made here, once
+  step python eval.py fidelity --policies epikv,epikv-band,epikv-lag --budgets 512 --buffer 128 $LONG  # authors' r
+  step python eval.py accuracy --policies random,criticalkv $MATH
+  step python eval.py accuracy --policies vase-adversary,random,criticalkv $G05 --protect-prompt
+  step python eval.py accuracy --policies random,criticalkv --budgets 160,192 $CURVE
+  step python eval.py accuracy --policies vase-adversary,random,criticalkv $G05 --no-protect-prompt
+  step python eval.py accuracy --policies random,criticalkv --budgets 256 $CURVE
+  step python eval.py fidelity --policies snapkv,vase,random,criticalkv --budgets 256 --buffer 64 $LONG
+fi
