@@ -3340,3 +3340,76 @@ def test_accuracy_rows_keep_the_text_and_it_regrades_the_same(tiny_lab, tmp_path
             assert len(text) >= p["tokens"] - 1 and T.extract_answer(text, True, p["stop"]) == p["pred"]
             assert T.is_correct(p["pred"], gold) == p["correct"]
     assert R.unpack_text(R.pack_text("x\udcff \\boxed{7} é")) == "x\udcff \\boxed{7} é"  # lone surrogates survive
+
+
+def test_long_traces_are_single_long_answers(tiny_lab, tmp_path):
+    """eval.py fidelity --long T: each trace is one problem and its greedy full-cache answer, the first --n of --data in
+    file order whose answer runs to T tokens or more; rows report evictions per trace and the kept share (1 for the
+    full cache, below 1 for a policy that evicted); too few long answers stop in one line that says how many."""
+    out = tmp_path / "long.json"
+    argv = ["fidelity", "--model", tiny_lab.model, "--data", tiny_lab.data, "--policies", "snapkv", "--budgets", "48",
+            "--buffer", "8", "--max-new-tokens", "60", "--n", "2", "--batch-size", "3", "--no-protect-prompt",
+            "--long", "40", "--out", str(out)]
+    ev.main(argv)
+    saved = json.loads((tmp_path / "long.json.traces.json").read_text())
+    assert saved["key"]["long"] == 40 and len(saved["traces"]) == 2
+    for tr in saved["traces"]:
+        (a, b), = tr["spans"]
+        assert a == tr["prompt_len"] and b == len(tr["ids"]) and b - a >= 40
+    full, snap = R.read_rows(out)
+    assert full["mean_evictions"] == 0 and full["mean_kept"] == 1 and full["long"] == 40
+    assert snap["mean_evictions"] > 0 and 0 < snap["mean_kept"] < 1
+    with pytest.raises(SystemExit) as e:
+        ev.main([*argv[:-1], str(tmp_path / "more.json"), "--n", "8", "--long", "60"])
+    assert "have greedy answers of --long 60 tokens or more" in str(e.value.code) and "lower --n to" in str(e.value.code)
+
+
+def test_short_prompts_keeps_the_problems_that_fit(tiny_lab, tmp_path, capsys):
+    """tools/short_prompts.py writes the first --n problems whose prompt is at most --max-prompt tokens, lines as they
+    are; asking for more than fit is one line."""
+    tool = load_tool("short_prompts")
+    tok = Tokenizer(tiny_lab.model)
+    lens = [len(ev.ask(tok, r["question"])) for r in T.load_data(tiny_lab.data)]
+    cut = sorted(lens)[5]
+    out = tmp_path / "short.jsonl"
+    tool.main(["--model", tiny_lab.model, "--data", tiny_lab.data, "--max-prompt", str(cut), "--n", "3",
+               "--out", str(out)])
+    lines = open(tiny_lab.data).read().splitlines()
+    assert out.read_text().splitlines() == [lines[i] for i, n in enumerate(lens) if n <= cut][:3]
+    assert "fewer than --n 9" in one_line_exit(tool.main, ["--model", tiny_lab.model, "--data", tiny_lab.data,
+                                                           "--max-prompt", str(cut), "--n", "9", "--out", str(out)],
+                                               capsys)
+
+
+def test_compare_modes_runs_every_mode_side_by_side(tiny_lab, tmp_path):
+    """tools/compare_modes.py on the tiny model: speed rows for each mode and batch size, fp32's ratio 1 and the step
+    split adding up; fidelity rows with fp32 against itself exact (KL 0, every answer identical) and the others
+    measured on the same positions."""
+    tool = load_tool("compare_modes")
+    tool.main(["speed", "--model", tiny_lab.model, "--batch-sizes", "1,2", "--turns", "2", "--steps", "3",
+               "--policy", "snapkv", "--budget", "48", "--buffer", "8", "--context", "96", "--out",
+               str(tmp_path / "s.json")])
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for b in (1, 2) for m in tool.MODES]
+    for r in rows:
+        parts = r["matmul_ms"] + r["attention_ms"] + r["evict_ms"] + r["rest_ms"]
+        assert r["tok_s"] > 0 and abs(parts - r["ms_per_step"]) < 0.05 and (r["mode"] != "fp32" or r["vs_fp32"] == 1)
+    tool.main(["fidelity", "--model", tiny_lab.model, "--data", tiny_lab.data, "--n", "2", "--min-tokens", "60",
+               "--problems", "3", "--max-new-tokens", "20", "--modes", "int8,int4", "--out", str(tmp_path / "f.json")])
+    fp32, int8, int4 = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert fp32["kl"] == 0 and fp32["top1"] == 1 and fp32["identical"] == fp32["same_answer"] == 3
+    assert int8["tokens"] == int4["tokens"] == fp32["tokens"] > 0 and int4["kl"] > int8["kl"] > 0  # min-max int4
+
+
+def test_compare_llamacpp_decodes_the_file_as_it_ships(tmp_path, monkeypatch):
+    """With --quant, llama.cpp reads the model's own GGUF as it ships (no F32 copy); without, an F32 copy beside it."""
+    import weights
+
+    tool = load_tool("compare_llamacpp")
+    src = tmp_path / "x.gguf"
+    write_tiny_gguf(src)
+    monkeypatch.setattr(weights, "download_gguf", lambda name: src)
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    assert tool.gguf_of("qwen2.5-coder-1.5b", "int4") == src
+    f32 = tool.gguf_of("qwen2.5-coder-1.5b", None)
+    assert f32.name == "Qwen2.5-Coder-1.5B-Instruct.F32.gguf" and f32.is_file()

@@ -11,16 +11,19 @@ the output: speeds on another CPU differ, and a mode's rank may too (cli.cpu_has
 fidelity: the cost of a mode in what it computes: the model's own full-cache conversations (eval.py fidelity's
 traces, or --n new ones) teacher-forced through the full cache in each mode, KL(fp32 || mode) and top-1 agreement
 with fp32 per generated position; and --problems greedy answers decoded in each mode against fp32's (the first token
-where they part, and whether the graded answer is the same).
+where they part, and whether the graded answer is the same). One mode is in memory at a time.
 """
 
 import json
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+import torch  # noqa: E402
 
 import bench  # noqa: E402
 from cli import Parser, UsageError, cpu_info, cpu_threads, int_list, load, resolve_device  # noqa: E402
@@ -79,40 +82,40 @@ def speed(args, models: dict) -> list[dict]:
     return rows
 
 
-def fidelity(args, models: dict) -> list[dict]:
-    """KL(fp32 || mode) and top-1 agreement on the conversations; greedy answers against fp32's."""
-    exact, tok = models["fp32"][:2]
-    if args.traces:
-        traces = json.loads(Path(args.traces).read_text())["traces"][: args.n]
-    else:
-        questions = [r["question"] for r in load_data(args.data)]
-        traces = pack_conversations(exact, tok, conversation_plans(tok, questions, args.n), args)
-    refs = []  # fp32's log-probs at the generated positions, per trace
-    for tr in traces:
-        at = targets(tr)
-        refs.append((at, replay(exact, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)))
+def fidelity(args, modes: list[str]) -> list[dict]:
+    """KL(fp32 || mode) and top-1 agreement on the conversations; greedy answers against fp32's. One model in memory
+    at a time (the 1.5B's four modes together take 14 GB): fp32 first, whose log-probs wait on disk, memory-mapped."""
     rows_data = load_data(args.data)[: args.problems]
-    prompts = [ask(tok, r["question"]) for r in rows_data]
-    answers = {}
-    for m, (model, tok, _, _) in models.items():
+    out, refs, exact = [], tempfile.TemporaryDirectory(prefix="nanokv-modes-"), None  # exact: fp32's answers
+    for m in modes:
+        model, tok, _, _ = load_modes(args.model, [m])[m]
+        if m == "fp32":
+            traces = json.loads(Path(args.traces).read_text())["traces"][: args.n] if args.traces else \
+                pack_conversations(model, tok, conversation_plans(tok, [r["question"] for r in load_data(args.data)],
+                                                                  args.n), args)
+        prompts = [ask(tok, r["question"]) for r in rows_data]
         run = make_run("full", None, 64, None, [len(p) for p in prompts])
-        answers[m] = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
-    rows = []
-    for m, (model, _, _, _) in models.items():
+        answers = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
         kl = top1 = n = 0.0
-        for tr, (at, p) in zip(traces, refs):
-            q = p if m == "fp32" else replay(model, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)
+        for i, tr in enumerate(traces):
+            at, path = targets(tr), Path(refs.name) / f"{i}.pt"
+            q = replay(model, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)  # [N, V]
+            if m == "fp32":
+                torch.save(q, path)
+            p = torch.load(path, mmap=True)
             kl += (p.exp() * (p - q)).sum().item()
             top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
             n += len(at)
-        parts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(answers[m],
-                                                                                               answers["fp32"])]
+        exact = exact or answers
+        parts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(answers, exact)]
         same = [answer_of(tok, x, r["answer"])[2] == answer_of(tok, y, r["answer"])[2]
-                for x, y, r in zip(answers[m], answers["fp32"], rows_data)]
-        rows.append({"mode": m, "kl": kl / n, "top1": top1 / n, "tokens": int(n), "traces": len(traces),
-                     "identical": sum(p is None for p in parts), "problems": len(parts),
-                     "first_divergence": sorted(p for p in parts if p is not None), "same_answer": sum(same)})
-    return rows
+                for x, y, r in zip(answers, exact, rows_data)]
+        out.append({"mode": m, "kl": kl / n, "top1": top1 / n, "tokens": int(n), "traces": len(traces),
+                    "identical": sum(p is None for p in parts), "problems": len(parts),
+                    "first_divergence": sorted(p for p in parts if p is not None), "same_answer": sum(same)})
+        print(table(out[-1:]), file=sys.stderr)
+        del model
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -152,7 +155,7 @@ def main(argv=None):
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
         info = cpu_info()
         print(f"CPU: {info['cpu']}, torch capability {info['capability']}, flags {' '.join(info['flags'])}")
-        rows = (speed if args.what == "speed" else fidelity)(args, load_modes(args.model, modes))
+        rows = speed(args, load_modes(args.model, modes)) if args.what == "speed" else fidelity(args, modes)
         print(table(rows))
         if args.out:
             Path(args.out).write_text(json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
