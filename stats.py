@@ -5,7 +5,8 @@ same problems or traces, so any two rows compare item by item).
 - accuracy: a paired bootstrap 95 % interval of the difference over problems, and McNemar's exact sign test on the
   problems where exactly one of the two is right; `min_detectable` says what n problems can show at all;
 - fidelity: per-trace KL differences against a base policy, mean +- standard error.
-Pure functions of result rows: plot.py draws the same intervals. Left out: corrections for multiple comparisons.
+Pure functions of result rows: plot.py draws the same intervals; `holm` corrects a study's set of comparisons
+(tools/replication.py).
 """
 
 import json
@@ -69,6 +70,18 @@ def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
     n = n10 + n01
     p = 2 * sum(math.comb(n, i) for i in range(min(n10, n01) + 1)) / 2**n
     return n10, n01, min(1.0, p)
+
+
+def holm(ps: list[float], alpha: float = 0.05) -> list[bool]:
+    """Which of m comparisons stay significant under Holm's step-down correction: sorted by p, the k-th smallest
+    (k = 0, 1, ...) must be below alpha / (m - k), and so must every smaller one. e.g. [0.01, 0.04, 0.03], alpha 0.05:
+    0.01 < 0.05 / 3 holds, 0.03 > 0.05 / 2 fails, so only the first survives."""
+    keep, order = [False] * len(ps), sorted(range(len(ps)), key=lambda i: ps[i])
+    for k, i in enumerate(order):
+        if ps[i] > alpha / (len(ps) - k):
+            break
+        keep[i] = True
+    return keep
 
 
 def min_detectable(n: int, alpha: float = 0.05) -> float:
