@@ -157,19 +157,33 @@ def peak_memory_mb(device) -> float:
 
 def load(model_dir, device, dtype, quant: str | None = None):
     """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
-    from weights import DEFAULT_MODEL, MODELS, SetupError, model_dir as named_model_dir
+    from weights import DEFAULT_MODEL, MODELS, SIDE, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
     cpu_threads(device, dtype, quant)
     try:  # a name that weights.py knows (and no directory of that name) is its converted directory
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
-            model_dir = named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
+            name, model_dir = model_dir or DEFAULT_MODEL, named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
+            if quant == "int4" and not (model_dir / SIDE).is_file():  # else its 4-bit numbers would be made anew
+                raise ModelError(f"--quant int4 runs {name}'s own 4-bit blocks, which its conversion in {model_dir} "
+                                 f"predates: run 'python weights.py --model {name} --force' (it downloads the model "
+                                 "again)")
         elif not os.path.isdir(model_dir):
             raise ModelError(f"--model {model_dir} does not exist as a directory and is no model weights.py knows: "
                              f"pass a Hugging Face model directory or one of {', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
+    if quant == "int4" and minmax_int4(str(model_dir)):
+        note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
     return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir)
+
+
+def minmax_int4(model: str | None) -> bool:
+    """Whether --quant int4 makes a directory's 4-bit numbers anew (min-max groups of its values) rather than running
+    a GGUF's own blocks, which weights.py keeps beside a model it converted (a named model always has them)."""
+    from weights import SIDE
+
+    return bool(model) and os.path.isdir(model) and not (Path(model) / SIDE).is_file()
 
 
 def plain_text(model: str | None) -> bool:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, output_failed, plain_text, policy_names,
-                 resolve_device)
+from cli import (Parser, UsageError, add_device_args, int_list, load, minmax_int4, output_failed, plain_text,
+                 policy_names, resolve_device)
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
@@ -223,8 +223,10 @@ def model_settings(args) -> dict:
     finished sweep stays finished; --quant likewise only where given (every row before it is exact)."""
     device, dtype = resolve_device(args.device, args.dtype, args.quant)
     plain = {"template": "none"} if plain_text(args.model) else {}
+    quant = {"quant": args.quant} if args.quant else {}
+    quant |= {"int4": "minmax"} if args.quant == "int4" and minmax_int4(args.model) else {}  # not a GGUF's own blocks
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size, **plain, **({"quant": args.quant} if args.quant else {})}
+            "batch_size": args.batch_size, **plain, **quant}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
@@ -278,8 +280,16 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     long = getattr(args, "long", None)
     if long:  # single long answers: any problem of the file may be one, and its answer must fit; the prompts that
         # --protect-prompt keeps are those of the answers found (generated here, once: they are saved with --out)
+        if long > args.max_new_tokens:
+            raise UsageError(f"--long {long} asks for answers longer than --max-new-tokens {args.max_new_tokens} "
+                             "allows: raise --max-new-tokens or lower --long")
+        for j in jobs:
+            run_for(j, args, [1])  # a bad --budget / --buffer stops here, before any answer is decoded
         longest = max(len(first_turn(tok, r["question"])) for r in rows) + args.max_new_tokens
-        lens = [tr["prompt_len"] for tr in traces(args, lab)] if longest <= limit else []
+        if longest > limit:
+            raise UsageError(f"a problem of {args.data} and its answer need up to {longest} positions, past the "
+                             f"model's {limit}: lower --max-new-tokens")
+        lens = [tr["prompt_len"] for tr in traces(args, lab)]
     elif args.cmd in ("fidelity", "perturbation") or args.cmd == "probe" and args.probe == "heads":
         # the conversations open with the n shortest problems: what --protect-prompt keeps, and what must fit
         lens = first_turns(tok, conversation_plans(tok, [r["question"] for r in rows], args.n))

@@ -410,6 +410,7 @@ def run_cli(args):
 
     sampling = (args.max_new_tokens, args.temperature, args.top_p, tok.eos_ids)
     (ids,), cache, t = generate(model, [prompt], run, *sampling, on_token=lambda row, ids: stream(ids))
+    peak = peak_memory_mb(model.device)  # this run's own: --compare's answer (and its model) come later
     print()
     layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:
@@ -440,7 +441,7 @@ def run_cli(args):
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
     K += f" {args.quant}" if args.quant else ""
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
-          f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak_memory_mb(model.device):.0f} MB")
+          f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
-from quant import SIDE, quantize
+from quant import quantize
+from weights import SIDE
 
 # -----------------------------------------------------------------------------
 # RoPE
@@ -211,9 +212,11 @@ class Block(nn.Module):
 class Inner(nn.Module):  # the HF "model." prefix
     def __init__(self, cfg: ModelConfig, kw: dict, mat: dict):
         super().__init__()
-        # tied: the table is also the LM head's weight, so it takes the matmul layout (a lookup reads either)
-        table = weight(cfg.vocab_size, cfg.hidden_size, **kw) if cfg.tie_word_embeddings else \
-            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw)
+        # tied: the table is also the LM head's weight, so it takes the matmul layout (a lookup reads either); under
+        # --quant the LM head has a matrix of its own (mat on the meta device) and the table is a lookup only
+        tied = cfg.tie_word_embeddings and mat is kw
+        table = weight(cfg.vocab_size, cfg.hidden_size, **kw) if tied else torch.empty(cfg.vocab_size,
+                                                                                         cfg.hidden_size, **kw)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList([Block(cfg, i, kw, mat) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)

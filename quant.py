@@ -6,10 +6,10 @@ numbers get there.
 
 Batch-1 decode reads every weight once per token, so on a CPU it runs at the memory's speed, and fewer bytes per
 weight is what makes it faster (RESULTS.md, "Decode the weights as they ship"). Two sources of numbers:
-- A model that weights.py converted from a GGUF keeps the GGUF's 4-bit blocks beside it (SIDE). A Q4_K or Q4_1 block
-  of 32 values is already an int4 group, w = q * scale + offset with q in 0..15, so --quant int4 runs the file's own
-  numbers. The side file also records every tensor's GGUF type: the wider types (Q5_0, Q6_K, Q8_0) become int8, one
-  scale per output row, half the bytes of bf16 (the measured error of each choice is in RESULTS.md).
+- A model that weights.py converted from a GGUF keeps the GGUF's 4-bit blocks beside it (weights.SIDE). A Q4_K or
+  Q4_1 block of 32 values is already an int4 group, w = q * scale + offset with q in 0..15, so --quant int4 runs the
+  file's own numbers. The side file also records every tensor's GGUF type: the wider types (Q5_0, Q6_K, Q8_0) become
+  int8, one scale per output row, half the bytes of bf16 (the measured error of each choice is in RESULTS.md).
 - Any other checkpoint is quantized on load, as gpt-fast does: int8 per output row, int4 per group of 32 by the
   group's min and max.
 --quant int8 makes every matrix int8 from its values. The embedding table stays a dense lookup (one row a token), and
@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from kernels import GROUP, QuantWeight
+from weights import INT4_TYPES  # the format weights.py writes (numpy only: no cycle)
 
-SIDE = "model.int4.safetensors"  # weights.py: the 4-bit blocks of a converted GGUF, and every tensor's GGUF type
-INT4_TYPES = ("Q4_K", "Q4_1")  # GGUF block types that are int4 groups of 32 as they are
 DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized in the GGUF: quantized on load, as a Hugging Face checkpoint
 
 
@@ -72,6 +71,13 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([packed & 15, packed >> 4], -1).flatten(1)
 
 
+def int4_codes(ckpt, name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A matrix's int4 codes, scales and offsets: the GGUF's own where weights.py kept them, else min-max groups of its
+    values."""
+    kept = ckpt.blocks(name)
+    return (unpack_nibbles(kept["q"]), kept["scale"], kept["offset"]) if kept else minmax_groups(ckpt.read(name))
+
+
 def quantize(model, quant: str, ckpt):
     """Fill in every matrix of the model (placeholders until now, model.Transformer) in its quantized form, one at a
     time, from ckpt (model.Checkpoint: dense values, and the GGUF's 4-bit blocks and types where weights.py kept
@@ -82,12 +88,7 @@ def quantize(model, quant: str, ckpt):
         runs = []  # [kind, its row blocks: int4 (q, scale, offset) or int8 dense values] per run of one kind
         for name in names:
             kind = plan(quant, ckpt.types.get(name), ckpt.shape(name))
-            if kind == "int4":
-                kept = ckpt.blocks(name)  # the GGUF's own codes, else the values' min-max groups
-                item = (unpack_nibbles(kept["q"]), kept["scale"], kept["offset"]) if kept else minmax_groups(
-                    ckpt.read(name))
-            else:
-                item = ckpt.read(name)
+            item = int4_codes(ckpt, name) if kind == "int4" else ckpt.read(name)
             if runs and runs[-1][0] == kind:
                 runs[-1][1].append(item)
             else:

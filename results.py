@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cli import UsageError
+from weights import SIDE
 
 
 # -----------------------------------------------------------------------------
@@ -51,8 +52,8 @@ def model_key(model: str | None) -> str:
     for f in [path] if path.is_file() else sorted(path.iterdir()):
         if f.suffix in (".json", ".jinja") and f.name != "manifest.json":  # the manifest holds mtimes: a copy reruns
             h.update(f.name.encode() + f.read_bytes())
-        elif f.suffix == ".safetensors" and f.name != "model.int4.safetensors":  # derived from model.safetensors'
-            # GGUF, like it (weights.py): hashing it too would give every row made before it existed a new key
+        elif f.suffix == ".safetensors" and f.name != SIDE:  # derived from model.safetensors' GGUF, like it (weights
+            # .py): hashing it too would give every row made before it existed a new key
             size = f.stat().st_size
             with open(f, "rb") as w:
                 head = min(size, 8 + int.from_bytes(w.read(8), "little") + 2**16)  # the header, then 64 KiB of data

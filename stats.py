@@ -74,7 +74,7 @@ def sign_test(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
 
 def holm(ps: list[float], alpha: float = 0.05) -> list[bool]:
     """Which of m comparisons stay significant under Holm's step-down correction: sorted by p, the k-th smallest
-    (k = 0, 1, ...) must be below alpha / (m - k), and so must every smaller one. e.g. [0.01, 0.04, 0.03], alpha 0.05:
+    (k = 0, 1, ...) must be at most alpha / (m - k), and so must every smaller one. e.g. [0.01, 0.04, 0.03], alpha 0.05:
     0.01 < 0.05 / 3 holds, 0.03 > 0.05 / 2 fails, so only the first survives."""
     keep, order = [False] * len(ps), sorted(range(len(ps)), key=lambda i: ps[i])
     for k, i in enumerate(order):

@@ -87,9 +87,10 @@ def long_answers(model, tok, questions: list[str], args) -> list[dict]:
                 out.append({"ids": p + a, "prompt_len": len(p), "spans": [(len(p), len(p) + len(a))]})
         if len(out) >= args.n:
             return out[: args.n]
+    fix = f"lower --n to {len(out)} or --long" if out else "lower --long"
     raise UsageError(f"{len(out)} of the {len(questions)} problems in {args.data} have greedy answers of --long "
-                     f"{args.long} tokens or more (up to --max-new-tokens {args.max_new_tokens}): lower --n to "
-                     f"{len(out)} or --long, or pass more or harder problems")
+                     f"{args.long} tokens or more (up to --max-new-tokens {args.max_new_tokens}): {fix}, or pass more "
+                     "or harder problems")
 
 
 @torch.inference_mode()

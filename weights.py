@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 MODEL_HOME = Path(os.environ.get("NANOKV_HOME") or "~/.cache/nanokv").expanduser()  # an empty value is unset
-SIDE = "model.int4.safetensors"  # the GGUF's 4-bit blocks and every tensor's type, for --quant int4 (quant.SIDE)
+SIDE = "model.int4.safetensors"  # the GGUF's 4-bit blocks and every tensor's type, for --quant int4 (quant.py)
+INT4_TYPES = ("Q4_K", "Q4_1")  # GGUF block types that are int4 groups of 32 as they are
 MODEL_FILES = ("config.json", "model.safetensors", SIDE, "tokenizer.json", "tokenizer_config.json")
 MANIFEST = "manifest.json"  # what we converted: each file's size, mtime and sha256
 
@@ -155,8 +156,8 @@ def check_manifest(model_dir: Path, full: bool = False) -> str | None:
         return "no valid manifest"
     for f in MODEL_FILES:
         path, want = model_dir / f, manifest.get(f, {})
-        if f == SIDE and f not in manifest:
-            return f"it was converted before nanokv kept the GGUF's 4-bit blocks in {SIDE}, which --quant int4 reads"
+        if f == SIDE and f not in manifest:  # converted before nanokv kept them: fine but for --quant int4 (cli.load)
+            continue
         if not path.is_file():
             return f"{f} is missing"
         st = path.stat()
@@ -339,17 +340,19 @@ def model_tensors(reader, meta: dict) -> list:
 
 
 def side_tensors(reader, meta: dict) -> list:
-    """quant.SIDE: each 4-bit tensor's codes (two a byte, quant.unpack_nibbles' order), scales and offsets, Q/K rows in
+    """SIDE: each 4-bit tensor's codes (two a byte, quant.unpack_nibbles' order), scales and offsets, Q/K rows in
     HF's order, for --quant int4. A tensor's blocks are decoded once for its three entries."""
+    # one slot for all tensors: the file is written entry by entry, so the latest tensor's arrays are the ones needed
+    ts = reader.tensors
+    decoded = functools.lru_cache(1)(lambda i: [rows_in_hf_order(a, ts[i], meta) for a in int4_blocks(ts[i])])
     out = []
-    for t in reader.tensors:
-        if t.tensor_type.name not in ("Q4_K", "Q4_1"):
+    for i, t in enumerate(ts):
+        if t.tensor_type.name not in INT4_TYPES:
             continue
         name, (rows, cols) = hf_name(t.name), (int(n) for n in reversed(t.shape))
-        decoded = functools.lru_cache(1)(lambda t=t: [rows_in_hf_order(a, t, meta) for a in int4_blocks(t)])
-        out += [(f"{name}.q", [rows, cols // 2], "U8", lambda d=decoded: pack_nibbles(d()[0])),
-                (f"{name}.scale", [rows, cols // 32], "F32", lambda d=decoded: d()[1]),
-                (f"{name}.offset", [rows, cols // 32], "F32", lambda d=decoded: d()[2])]
+        out += [(f"{name}.q", [rows, cols // 2], "U8", lambda i=i: pack_nibbles(decoded(i)[0])),
+                (f"{name}.scale", [rows, cols // 32], "F32", lambda i=i: decoded(i)[1]),
+                (f"{name}.offset", [rows, cols // 32], "F32", lambda i=i: decoded(i)[2])]
     return out
 
 

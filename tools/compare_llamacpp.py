@@ -53,11 +53,11 @@ def gguf_of(name: str, quant: str | None) -> Path:
     ships with --quant, else a copy with every tensor in F32, written once."""
     from weights import MODEL_HOME, MODELS, download_gguf
 
-    src = download_gguf(name)
-    if quant:
-        return src
     dst = MODEL_HOME / f"{MODELS[name].dirname}.F32.gguf"
-    if not dst.exists():
+    if quant or not dst.exists():
+        src = download_gguf(name)
+        if quant:
+            return src
         write_f32_gguf(src, dst.with_suffix(".tmp"))
         dst.with_suffix(".tmp").rename(dst)
     return dst
@@ -74,10 +74,14 @@ def prompt_ids(name: str) -> list[int]:
 
 def nanokv_tok_s(name: str, quant: str | None) -> float:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # before numpy loads: 2 threads, as llama.cpp gets
+    import torch
+
     from cli import load
     from generate import generate, make_run
 
     model, _ = load(name, "cpu", None, quant)
+    if quant:  # torch's own kernels: 2 threads, as llama.cpp gets (the exact path has OpenBLAS's 2)
+        torch.set_num_threads(2)
     ids = prompt_ids(name)
     _, _, t = generate(model, [ids], make_run("full", None, 64, None, len(ids)), STEPS + 1)  # no end token: 257
     return STEPS / t["decode_s"]

@@ -2,7 +2,8 @@
 The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8 and --quant int4 against fp32.
 
     python tools/compare_modes.py speed --model qwen2.5-coder-1.5b --batch-sizes 1,16,32
-    python tools/compare_modes.py fidelity --model qwen2.5-coder-1.5b --traces results/study/fidelity_q15.json.traces.json
+    python tools/compare_modes.py fidelity --model qwen2.5-coder-1.5b \
+        --traces results/study/fidelity_q15.json.traces.json
 
 speed: each mode's model is loaded once, and their decoders take turns of 16 greedy steps (who goes first rotates),
 so every mode sees the same machine; a mode's tokens/s is its steps over its own time, with the split of a step into
@@ -30,6 +31,8 @@ from cli import Parser, UsageError, cpu_info, cpu_threads, int_list, load, resol
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
 from model import ModelError  # noqa: E402
+from policies import POLICIES  # noqa: E402
+from results import model_key  # noqa: E402
 from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
 
@@ -82,6 +85,15 @@ def speed(args, models: dict) -> list[dict]:
     return rows
 
 
+def saved_traces(args) -> list[dict]:
+    """--traces: an eval.py fidelity traces file, which must be of this model (its key names the model)."""
+    saved = json.loads(Path(args.traces).read_text())
+    if saved["key"]["model"] != model_key(args.model):
+        raise UsageError(f"--traces {args.traces} holds another model's conversations ({saved['key']['model']}): "
+                         "pass that model's, or drop --traces to pack new ones")
+    return saved["traces"][: args.n]
+
+
 def fidelity(args, modes: list[str]) -> list[dict]:
     """KL(fp32 || mode) and top-1 agreement on the conversations; greedy answers against fp32's. One model in memory
     at a time (the 1.5B's four modes together take 14 GB): fp32 first, whose log-probs wait on disk, memory-mapped."""
@@ -90,9 +102,8 @@ def fidelity(args, modes: list[str]) -> list[dict]:
     for m in modes:
         model, tok, _, _ = load_modes(args.model, [m])[m]
         if m == "fp32":
-            traces = json.loads(Path(args.traces).read_text())["traces"][: args.n] if args.traces else \
-                pack_conversations(model, tok, conversation_plans(tok, [r["question"] for r in load_data(args.data)],
-                                                                  args.n), args)
+            traces = saved_traces(args) if args.traces else pack_conversations(
+                model, tok, conversation_plans(tok, [r["question"] for r in load_data(args.data)], args.n), args)
         prompts = [ask(tok, r["question"]) for r in rows_data]
         run = make_run("full", None, 64, None, [len(p) for p in prompts])
         answers = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
@@ -133,9 +144,10 @@ def main(argv=None):
     ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
                     "the reference: always included)")
     ap.add_argument("--batch-sizes", default="1,16,32", help="speed: rows decoded together")
-    ap.add_argument("--policy", default="snapkv", help="speed: the policy each decoder evicts with")
+    ap.add_argument("--policy", default="snapkv", choices=sorted(POLICIES), help="speed: the policy each decoder "
+                    "evicts with")
     ap.add_argument("--budget", type=int, default=192, help="speed: K")
-    ap.add_argument("--buffer", type=int, default=16, help="speed: r (fidelity: the replays' chunk cadence)")
+    ap.add_argument("--buffer", type=int, default=16, help="speed: r")
     ap.add_argument("--context", type=int, default=1024, help="speed: the position the timed steps end at")
     ap.add_argument("--turns", type=int, default=6, help="speed: turns per mode")
     ap.add_argument("--steps", type=int, default=16, help="speed: greedy steps per turn")

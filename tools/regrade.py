@@ -39,8 +39,9 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
         ok = is_correct(pred, gold)
         changed += [p["i"]] if ok != p["correct"] else []
         per.append({**p, "pred": pred, "answered": pred is not None, "correct": ok})
-    accuracy = sum(p["correct"] for p in per) / len(per)
-    return {**row, "grading": grading(data), "accuracy": accuracy, "per_problem": per}, changed
+    mean = lambda field: sum(p[field] for p in per) / len(per)
+    return {**row, "grading": grading(data), "accuracy": mean("correct"), "answered": mean("answered"),
+            "per_problem": per}, changed
 
 
 def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:

@@ -1,52 +1,68 @@
 """
 Do the verdicts replicate (issue 34)? The replication table of RESULTS.md, recomputed from the result files:
 
-    python tools/replication.py                  # the study's files, as results/study/run.sh and replicate.sh write them
+    python tools/replication.py        # the study's files, as results/study/run.sh and replicate.sh write them
 
 One row per claim, one column per setting: the 1.5B on GSM8K (fp32, K = 192: the claims study's own files), the 0.5B
-on GSM8K, the 1.5B on MATH-500, long-trace fidelity on the 1.5B's own long answers, and claim 3's budget curve (GSM8K,
-three budgets). Each cell holds its deciding comparison: the paired difference with its bootstrap 95 % interval and
-the exact sign test (over problems for accuracy, over traces for fidelity), and a verdict by one rule for every cell:
-- holds: the difference is on the claim's side and its interval excludes 0;
-- does not hold: it is on the other side and its interval excludes 0 (or, for a claim of parity, it excludes a
-  margin of 0.06 in accuracy);
-- not separated: the interval holds 0 (a claim of parity: holds within the margin);
-- cannot be tested here: the setting lacks the rows the comparison needs.
-Then every comparison the verdicts rest on, with which of them survive Holm's correction across all of them.
+on GSM8K, the 1.5B on MATH-500, long-trace fidelity on the 1.5B's own long answers; then claim 3's budget curve
+(GSM8K, three budgets). Each cell holds its deciding comparisons, a - b over the items both hold: the difference with
+its paired bootstrap 95 % interval and the exact sign test (over problems for accuracy, over traces for KL), and a
+verdict by one rule for every cell. A directional claim (a above b, or below):
+- holds when the interval excludes 0 on the claim's side, does not hold when it excludes 0 on the other side, and is
+  not separated when it holds 0.
+A claim of parity (a does as well as b):
+- in accuracy: holds when a is at most MARGIN below b (the interval's lower end above -MARGIN), does not hold when
+  the whole interval is further below, not separated otherwise;
+- in KL (lower is better): holds when the interval lies below 0, does not hold when it lies above, not separated
+  when it holds 0.
+Cannot be tested here: the setting lacks the rows the comparison needs. The directional comparisons form one family
+for Holm's correction (their sign tests); a parity verdict rests on its interval, not on a test of difference, and
+the spread's on its bootstrap interval alone, so neither enters the family.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+from cli import Parser, UsageError  # noqa: E402
 from stats import bootstrap_diff, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
-MARGIN = 0.06  # a claim of parity holds when the interval lies within +-MARGIN (as for --quant's accuracy check)
+MARGIN = 0.06  # a claim of parity in accuracy holds when a is at most this far below b (as --quant's check)
+SETTING = ("model", "data_sha", "n", "max_new_tokens", "dtype", "quant", "seed", "batch_size", "min_tokens", "long")
+
+
+def rows_of(paths: list[Path], task: str, key) -> dict:
+    """key(row) -> row for the rows of `task` in the files (a full-cache row found twice once). The rows of one
+    column must share their setting (model, data, n, mode, ...): a file that mixes two is refused in one line."""
+    rows, seen = {}, {}
+    for p in paths:
+        for r in json.loads(p.read_text()) if p.is_file() else []:
+            if r.get("task") != task:
+                continue
+            rows.setdefault(key(r), r)
+            for k in SETTING:
+                if seen.setdefault(k, r.get(k)) != r.get(k):
+                    raise UsageError(f"{p} mixes rows of {k} {seen[k]} and {r.get(k)}: one column is one setting; "
+                                     "move the others to a file of their own")
+    return rows
 
 
 def accuracy_rows(paths: list[Path]) -> dict:
-    """(policy, budget, protect) -> accuracy row, over files (a full-cache row found twice once)."""
-    rows = {}
-    for p in paths:
-        for r in json.loads(p.read_text()) if p.is_file() else []:
-            if r.get("task") == "accuracy" and r.get("per_problem"):
-                rows.setdefault((r["policy"], r["budget"], r["protect"]), r)
-    return rows
+    """(policy, budget, protect) -> accuracy row."""
+    return rows_of(paths, "accuracy", lambda r: (r["policy"], r["budget"], r["protect"]))
 
 
 def fidelity_rows(paths: list[Path]) -> dict:
     """(policy, budget, buffer) -> fidelity row."""
-    return {(r["policy"], r["budget"], r["buffer"]): r for p in paths if p.is_file()
-            for r in json.loads(p.read_text()) if r.get("task") == "fidelity"}
+    return rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]))
 
 
 class Cell:
     """One comparison, a - b over the items both hold (problems: right or wrong; traces: KL), for a claim that expects
-    a above b, below b, or a at least level with b ("parity": within MARGIN in accuracy, not above b in KL)."""
+    a "above" b, "below" b, or at "parity" with it (see the module's rules)."""
 
     def __init__(self, label: str, a: list, b: list, expect: str, kl: bool = False):
         self.label, self.expect, self.kl, self.n = label, expect, kl, len(a)
@@ -59,17 +75,16 @@ class Cell:
     def verdict(self) -> str:
         if self.lo is None:
             return "not separated"
+        if self.expect == "parity" and not self.kl:
+            return "holds" if self.lo > -MARGIN else "does not hold" if self.hi < -MARGIN else "not separated"
         above, below = self.lo > 0, self.hi < 0
-        if self.expect == "parity":  # worse: lower accuracy, or higher KL
-            worse, fine = (above, below) if self.kl else (below, self.lo > -MARGIN)
-            return "does not hold" if worse else "holds" if fine else "not separated"
-        yes, no = (above, below) if self.expect == "above" else (below, above)
+        yes, no = (above, below) if self.expect == "above" else (below, above)  # parity in KL: below is better
         return "holds" if yes else "does not hold" if no else "not separated"
 
     def __str__(self):
         what = "traces lower" if self.kl else "discordant"
         return (f"{self.label} {self.d:+.3f} {interval(self.lo, self.hi)}, {what} {self.n10} / {self.n01}, "
-                f"p = {self.p:.2g}")
+                f"p = {self.p:.2g} (n = {self.n})")
 
 
 def acc_cell(rows: dict, a: tuple, b: tuple, expect: str) -> Cell | None:
@@ -87,37 +102,43 @@ def kl_cell(rows: dict, a: tuple, b: tuple, expect: str) -> Cell | None:
                 expect, kl=True)
 
 
-def spread_cell(rows: dict, K) -> str | None:
-    """Random Attention's bunching: spread across snapkv, vase and random, protected minus not."""
+def spread_line(rows: dict, K) -> str | None:
+    """Random Attention's bunching: the spread (best minus worst accuracy) across the policies run both protected and
+    not at budget K (of snapkv, vase, random and criticalkv), protected minus not, on the problems all of them hold."""
     pols = [p for p in ("snapkv", "vase", "random", "criticalkv") if (p, K, True) in rows and (p, K, False) in rows]
     if len(pols) < 2:
         return None
     common = sorted(set.intersection(*(set(outcomes(rows[p, K, s])) for p in pols for s in (True, False))))
     acc = lambda s: [[outcomes(rows[p, K, s])[i] for i in common] for p in pols]
     on, off, lo, hi = spread_diff(acc(True), acc(False))
-    verdict = "holds" if hi < 0 else "does not hold" if lo > 0 else "not separated"
-    return f"spread over {', '.join(pols)}: protected {on:.2f}, not {off:.2f}, difference {on - off:+.2f} " \
-           f"{interval(lo, hi)} (n = {len(common)}): **{verdict}**"
+    verdict = "not separated" if lo is None or lo <= 0 <= hi else "holds" if hi < 0 else "does not hold"
+    return (f"spread over {', '.join(pols)}: protected {on:.2f}, not {off:.2f}, difference {on - off:+.2f} "
+            f"{interval(lo, hi)} (n = {len(common)}): **{verdict}** (bootstrap only)")
 
 
 def claims(acc: dict, fid: dict, K, Kf: list) -> dict:
-    """The deciding comparisons of each claim in one setting: claim -> its cells (Cells, a spread line, or None)."""
+    """The deciding comparisons of each claim in one setting: claim -> its cells (Cells, a spread line, or None).
+    K: the accuracy rows' budget; Kf: the fidelity rows' (budget, buffer)s."""
     P = lambda p: (p, K, True)  # protected accuracy rows
     full = ("full", None, None)
-    # EPIKV at the study's r and at its authors' window min(128, K / 4), against snapkv at the study's r
-    epikv = [(k, r, w) for k, r in Kf for w in dict.fromkeys([r, max(r, min(128, k // 4))])]
+    kl = lambda a, b, expect: [kl_cell(fid, (a, k, r), (b, k, r), expect) for k, r in Kf]
+    # EPIKV also at its authors' window min(128, K / 4), against snapkv at the study's r
+    epikv = [kl_cell(fid, ("epikv", k, w), ("snapkv", k, r), "parity") for k, r in Kf
+             for w in dict.fromkeys([r, max(r, min(128, k // 4))])]
     return {
-        "RA 1: protecting the prompt bunches the policies": [spread_cell(acc, K)],
+        "RA 1: protecting the prompt bunches the policies": [spread_line(acc, K)],
         "RA 2: protected random does as well as the scorers": [acc_cell(acc, P("random"), P("snapkv"), "parity"),
-                                                                acc_cell(acc, P("random"), P("vase"), "parity")],
+                                                                acc_cell(acc, P("random"), P("vase"), "parity"),
+                                                                *kl("random", "snapkv", "parity")],
         "VASE 1: evicting the widest values collapses accuracy": [
-            acc_cell(acc, P("vase-adversary"), full, "below"), acc_cell(acc, P("vase-adversary"), P("random"), "below")],
+            acc_cell(acc, P("vase-adversary"), full, "below"), acc_cell(acc, P("vase-adversary"), P("random"), "below"),
+            *kl("vase-adversary", "vase", "above")],
         "VASE 2: the reserve and sampling beat attention top-k": [
-            acc_cell(acc, P("vase"), P("snapkv"), "above"), acc_cell(acc, P("vase"), P("vase-noreserve"), "above")],
-        "CriticalKV: value-aware stage 2 improves on SnapKV": [acc_cell(acc, P("criticalkv"), P("snapkv"), "above")]
-        + [kl_cell(fid, ("criticalkv", k, r), ("snapkv", k, r), "below") for k, r in Kf],
-        "EPIKV: residual movement matches attention scorers": [
-            kl_cell(fid, ("epikv", k, w), ("snapkv", k, r), "parity") for k, r, w in epikv],
+            acc_cell(acc, P("vase"), P("snapkv"), "above"), acc_cell(acc, P("vase"), P("vase-noreserve"), "above"),
+            *kl("vase", "snapkv", "below")],
+        "CriticalKV: value-aware stage 2 improves on SnapKV": [acc_cell(acc, P("criticalkv"), P("snapkv"), "above"),
+                                                                *kl("criticalkv", "snapkv", "below")],
+        "EPIKV: residual movement matches attention scorers": epikv,
     }
 
 
@@ -126,26 +147,31 @@ CURVE_CLAIMS = (("criticalkv", "above"), ("vase", "above"), ("random", "parity")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="The replication table from the study's result files.",
-                                 allow_abbrev=False)  # no prefixes of flags, as cli.Parser (not imported: it loads torch)
+    ap = Parser(description="The replication table from the study's result files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     args = ap.parse_args(argv)
     d = Path(args.study)
-    columns = {  # name -> (accuracy rows, fidelity rows, accuracy budget, fidelity (budget, buffer)s)
-        "1.5B, GSM8K (fp32, K = 192)": (accuracy_rows([d / "claims_q15.json", d / "claims_q15_noprotect.json"]),
-                                        fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),
-        "0.5B, GSM8K (int4, K = 208)": (accuracy_rows([d / "claims_q05.json"]), {}, 208, []),
-        "1.5B, MATH-500 (int4, K = 416)": (accuracy_rows([d / "math_q15.json"]), {}, 416, []),
-        "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"]), None, [(512, 64), (256, 64)]),
-    }
+    try:
+        columns = {  # name -> (accuracy rows, fidelity rows, accuracy budget, fidelity (budget, buffer)s)
+            "1.5B, GSM8K (fp32, K = 192)": (accuracy_rows([d / "claims_q15.json", d / "claims_q15_noprotect.json"]),
+                                            fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),
+            "0.5B, GSM8K (int4, K = 208)": (accuracy_rows([d / "claims_q05.json"]), {}, 208, []),
+            "1.5B, MATH-500 (int4, K = 416)": (accuracy_rows([d / "math_q15.json"]), {}, 416, []),
+            "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"]), None,
+                                             [(512, 64), (256, 64)]),
+        }
+        curve = accuracy_rows([d / "curve_q15.json"])
+    except UsageError as e:
+        sys.exit(f"error: {e}")
     cells = {name: claims(*spec) for name, spec in columns.items()}
-    curve = accuracy_rows([d / "curve_q15.json"])
     budget = {k: [c for p, e in CURVE_CLAIMS if (c := acc_cell(curve, (p, k, True), ("snapkv", k, True), e))]
               for k in CURVE}
     every = [c for col in cells.values() for cs in col.values() for c in cs if isinstance(c, Cell)]
     every += [c for k in CURVE for c in budget[k]]
-    survive = {id(c): ok for c, ok in zip(every, holm([c.p for c in every]))}
-    mark = lambda c: f"{c}: **{c.verdict}**" + (", survives Holm" if survive[id(c)] else "")
+    family = [c for c in every if c.expect != "parity"]
+    survive = {id(c): ok for c, ok in zip(family, holm([c.p for c in family]))}
+    mark = lambda c: f"{c}: **{c.verdict}**" + ({True: ", survives Holm", False: ", not after Holm"}.get(
+        survive.get(id(c)), "") if c.verdict == "holds" else "")
     print("| claim | " + " | ".join(columns) + " |\n|---" + "|---" * len(columns) + "|")
     for claim in cells[next(iter(columns))]:
         row = ["; ".join(mark(c) if isinstance(c, Cell) else c for c in cells[name][claim] if c)
@@ -153,13 +179,12 @@ def main(argv=None):
         print(f"| {claim} | " + " | ".join(row) + " |")
     print("\nClaim 3 by accuracy (1.5B, int4, the first 100 GSM8K problems whose prompt fits K = 160, protected):")
     for k in CURVE:
-        accs = ", ".join(f"{p} {sum(outcomes(curve[p, k, True]).values())}" for p in ("snapkv", "criticalkv", "vase",
-                                                                                        "random") if (p, k, True) in curve)
+        accs = ", ".join(f"{p} {sum(outcomes(curve[p, k, True]).values())} / {len(outcomes(curve[p, k, True]))}"
+                         for p in ("snapkv", "criticalkv", "vase", "random") if (p, k, True) in curve)
         if accs:
-            print(f"- K = {k}: {accs} of 100; " + "; ".join(map(mark, budget[k])))
-    kept = sum(survive.values())
-    print(f"\n{len(every)} comparisons; {kept} stay significant under Holm's correction across all of them "
-          "(alpha = 0.05).")
+            print(f"- K = {k}: {accs}; " + "; ".join(map(mark, budget[k])))
+    print(f"\n{len(every)} comparisons: {len(family)} directional, {sum(survive.values())} of them significant after "
+          f"Holm's correction across those {len(family)} (alpha = 0.05); {len(every) - len(family)} of parity.")
 
 
 if __name__ == "__main__":
