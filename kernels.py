@@ -92,12 +92,15 @@ def linear(x: Tensor, w) -> Tensor:
 
 def dense(w) -> Tensor:
     """The weight w [out, in] as one dense tensor, for the few readers of a weight's entries (CriticalKV's
-    ||V W_O||, the perturbation probe). A quantized one is run through its own kernel on the identity matrix once,
-    so it is exactly the matrix linear() multiplies by (in the activations' dtype), and kept."""
+    ||V W_O||, the perturbation probe), in the activations' dtype: int8 is q * scale; int4's packing is torch's own,
+    so it is run through its kernel on the identity matrix, once (kept): exactly the matrix linear() multiplies by.
+    note: in fp32 activations torch's int kernels are slow (no bf16 units), and that first call with it."""
     if isinstance(w, tuple):
         return torch.cat([dense(part) for part in w])
     if not isinstance(w, QuantWeight):
         return w
+    if w.kind == "int8":
+        return (w.data.float() * w.scales.float()[:, None]).to(w.scales.dtype)
     if w.dense_cache is None:
         eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
         w.dense_cache = w.matmul(eye).T  # [out, in]

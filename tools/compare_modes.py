@@ -13,6 +13,8 @@ fidelity: the cost of a mode in what it computes: the model's own full-cache con
 traces, or --n new ones) teacher-forced through the full cache in each mode, KL(fp32 || mode) and top-1 agreement
 with fp32 per generated position; and --problems greedy answers decoded in each mode against fp32's (the first token
 where they part, and whether the graded answer is the same). One mode is in memory at a time.
+error: what each format (int8 per row, bf16, int4 from the kept blocks) does to a GGUF's own numbers, per block type:
+the measured ground for quant.plan's choice.
 """
 
 import json
@@ -30,11 +32,14 @@ import bench  # noqa: E402
 from cli import Parser, UsageError, cpu_info, cpu_threads, int_list, load, resolve_device  # noqa: E402
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
-from model import ModelError  # noqa: E402
+from kernels import dense  # noqa: E402
+from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weight_files  # noqa: E402
 from policies import POLICIES  # noqa: E402
+from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
 from results import model_key  # noqa: E402
 from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
+from weights import DEFAULT_MODEL, INT4_TYPES, model_dir  # noqa: E402
 
 MODES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
 
@@ -129,6 +134,34 @@ def fidelity(args, modes: list[str]) -> list[dict]:
     return out
 
 
+def error(args) -> list[dict]:
+    """What each format does to a GGUF's own numbers, per block type: every matrix's exact values (the fp32
+    safetensors, bit for bit the GGUF's dequantized blocks) against int8 per output row, bf16, and for the 4-bit types
+    the int4 kernel's matrix from the kept codes (bf16 scales and zeros): the relative RMS error ||w' - w|| / ||w||
+    and the largest error over the largest |w|, averaged over the type's matrices (worst in brackets)."""
+    path = Path(args.model) if args.model and Path(args.model).is_dir() else model_dir(args.model or DEFAULT_MODEL)
+    cfg = ModelConfig.from_hf(path)
+    files = weight_files(path)
+    shapes = {}
+    for file in files:
+        with opened(file) as f:
+            shapes |= {n: (file.name, f.get_slice(n).get_shape()) for n in f.keys()}
+    ckpt = Checkpoint(path, shapes)
+    names = [n for _, _, ns in Transformer(cfg, "meta").matrices() for n in ns]
+    per = {}  # (type, format) -> [(rms, max)]
+    for name in names:
+        w, kind = ckpt.read(name).float(), ckpt.types.get(name, "none")
+        made = {"int8": dense(int8_rows(w, torch.float32)), "bf16": w.bfloat16().float()}
+        if kind in INT4_TYPES:
+            made["int4"] = dense(int4_groups(*int4_codes(ckpt, name), torch.bfloat16)).float()
+        for fmt, got in made.items():
+            per.setdefault((kind, fmt), []).append((((got - w).norm() / w.norm()).item(),
+                                                   ((got - w).abs().max() / w.abs().max()).item()))
+    return [{"type": t, "format": fmt, "matrices": len(v), "rms": sum(r for r, _ in v) / len(v),
+             "rms_worst": max(r for r, _ in v), "max": sum(m for _, m in v) / len(v), "max_worst": max(m for _, m in v)}
+            for (t, fmt), v in sorted(per.items())]
+
+
 def table(rows: list[dict]) -> str:
     keys = [k for k in rows[0] if k != "first_divergence"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -138,7 +171,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None):
     ap = Parser(description="fp32, bf16, int8 and int4 side by side: decode speed, or what each costs in fidelity.")
-    ap.add_argument("what", choices=["speed", "fidelity"])
+    ap.add_argument("what", choices=["speed", "fidelity", "error"])
     ap.add_argument("--model", default=None, help="a name weights.py knows, or a model directory (default: the "
                     "default model)")
     ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
@@ -167,7 +200,8 @@ def main(argv=None):
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
         info = cpu_info()
         print(f"CPU: {info['cpu']}, torch capability {info['capability']}, flags {' '.join(info['flags'])}")
-        rows = speed(args, load_modes(args.model, modes)) if args.what == "speed" else fidelity(args, modes)
+        rows = speed(args, load_modes(args.model, modes)) if args.what == "speed" else fidelity(args, modes) \
+            if args.what == "fidelity" else error(args)
         print(table(rows))
         if args.out:
             Path(args.out).write_text(json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
