@@ -331,6 +331,21 @@ def opened(file: Path):
         raise ModelError(f"corrupt safetensors file {file}: {e} (re-download or re-convert it)") from None
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names for the dtypes a weight may be stored in
+
+
+def garbled(name: str, missing: list[str]) -> str | None:
+    """The expected tensor name that an unknown name is a damaged copy of, if any: one with bytes that no tensor name
+    holds, or one of the same length differing from a missing name in a few characters (a variant's extra tensor,
+    such as an o_proj bias, matches none)."""
+    for m in missing:
+        if len(m) == len(name) and sum(a != b for a, b in zip(m, name)) <= 4:
+            return m
+    if not name.isascii() or not name.isprintable():
+        return missing[0] if missing else "a tensor name"
+    return None
+
+
 def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str | None = None) -> Transformer:
     """Build the model for path's config.json and copy in its safetensors (single file or sharded). Every check
     reads only the safetensors headers and a model on the meta device, so a mismatch stops before any allocation.
@@ -340,22 +355,30 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
         raise ModelError(f"model directory {path} does not exist: pass --model a Hugging Face model directory")
     cfg = ModelConfig.from_hf(path)
     files = weight_files(path)
-    shapes = {}  # tensor name -> (file name, shape)
+    shapes, dtypes = {}, {}  # tensor name -> (file name, shape); -> its stored dtype ("F32", "BF16", "I8", ...)
     for file in files:
         with opened(file) as f:
-            shapes |= {name: (file.name, f.get_slice(name).get_shape()) for name in f.keys()}
+            for name in f.keys():
+                shapes[name], dtypes[name] = (file.name, f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()
     check_weights(cfg, shapes, path)  # config.json's sizes against the tensors, each mismatch naming its key
     want = {name: list(p.shape) for name, p in Transformer(cfg, "meta").named_parameters()}  # costs no memory
+    missing = [name for name in want if name not in shapes]
     for name, (file, shape) in shapes.items():
         if name not in want:
             if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
                 continue  # tied or derived: nothing to load
+            if garbled(name, missing):
+                raise ModelError(f"{path / file} is corrupt: its header names a tensor {name!r} where nanokv's "
+                                 f"{cfg.model_type} model expects {garbled(name, missing)!r}: re-download or "
+                                 "re-convert it")
             raise ModelError(f"tensor {name} in {file} has no place in nanokv's {cfg.model_type} model: this "
                              "checkpoint variant is unsupported")
+        if dtypes[name] not in FLOAT_DTYPES:  # nanokv's own int8/int4 are made on load, or kept apart (quant.SIDE)
+            raise ModelError(f"tensor {name} in {file} is stored as {dtypes[name]}, not floating point: nanokv reads "
+                             "F32, F16 or BF16 weights (for 8 or 4 bits, load a float checkpoint with --quant)")
         if shape != want[name]:
             raise ModelError(f"tensor {name} in {file} has shape {shape}, expected {want[name]}: the weights do not "
                              "match config.json")
-    missing = [name for name in want if name not in shapes]
     if missing:
         raise ModelError(f"tensor {missing[0]} missing from the checkpoint in {path} ({len(missing)} missing in all): "
                          "the weights do not match config.json")

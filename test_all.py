@@ -1250,6 +1250,15 @@ def bad_dir(tmp_path, kind):
         save_file({**load_file(f), "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, f)
     elif kind == "corrupt":
         open(f, "r+b").write(b"\xff" * 16)
+    elif kind == "garbled":  # bytes of the header overwritten: still valid JSON, one name damaged
+        data = open(f, "rb").read()
+        open(f, "wb").write(data.replace(b"layers.1.mlp.up_proj", b"layers.1.mlp.u#~proj", 1))
+    elif kind in ("int8", "bool"):  # integer or bool weights, not a format nanokv writes: garbage if cast
+        from safetensors.torch import load_file
+        sd = load_file(f)
+        w = sd["model.layers.0.mlp.down_proj.weight"]
+        sd["model.layers.0.mlp.down_proj.weight"] = (w * 100).to(torch.int8) if kind == "int8" else w > 0
+        save_file(sd, f)
     else:
         from safetensors.torch import load_file
         sd = load_file(f)
@@ -1265,6 +1274,11 @@ def bad_dir(tmp_path, kind):
                                          ("no-config", "no config.json"),
                                          ("no-weights", "no model.safetensors or model.safetensors.index.json"),
                                          ("arch", "unsupported model_type 'gpt2'"), ("corrupt", "corrupt safetensors"),
+                                         ("garbled", "model.safetensors is corrupt: its header names a tensor "
+                                                     "'model.layers.1.mlp.u#~proj.weight' where"),
+                                         ("int8", "model.layers.0.mlp.down_proj.weight in model.safetensors is stored "
+                                                  "as I8, not floating point"),
+                                         ("bool", "is stored as BOOL, not floating point"),
                                          ("missing", "model.layers.1.mlp.up_proj.weight missing"),
                                          ("shape", "model.norm.weight in model.safetensors has shape [7]"),
                                          ("bad-json", "is not valid JSON"), ("heads", "not a multiple of"),
