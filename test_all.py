@@ -3434,6 +3434,24 @@ def test_compare_modes_runs_every_mode_side_by_side(tiny_lab, tmp_path):
     assert int8["tokens"] == int4["tokens"] == fp32["tokens"] > 0 and int4["kl"] > int8["kl"] > 0  # min-max int4
 
 
+def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
+    """compare_modes accuracy pairs two full-cache rows on their problems: the difference, its sign test's split and
+    the +-0.06 check; rows of other problems are one line."""
+    tool = load_tool("compare_modes")
+    row = lambda right, **kw: {"task": "accuracy", "policy": "full", "data": "d.jsonl", "data_sha": "x", "n": 4,
+                               "dtype": "torch.bfloat16", "accuracy": sum(right) / 4, **kw,
+                               "per_problem": [{"i": i, "correct": c} for i, c in enumerate(right)]}
+    (tmp_path / "e.json").write_text(json.dumps([row([1, 1, 0, 0])]))
+    (tmp_path / "f.json").write_text(json.dumps([row([1, 0, 0, 0], quant="int4")]))
+    (tmp_path / "g.json").write_text(json.dumps([row([1, 0, 0, 0], n=5)]))
+    tool.main(["accuracy", "--exact", str(tmp_path / "e.json"), "--fast", str(tmp_path / "f.json"),
+               "--out", str(tmp_path / "a.json")])
+    (r,) = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert (r["diff"], r["fast_only"], r["fp32_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
+    assert "hold other problems" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
+                                                              "--fast", str(tmp_path / "g.json")], capsys)
+
+
 def test_compare_llamacpp_decodes_the_file_as_it_ships(tmp_path, monkeypatch):
     """With --quant, llama.cpp reads the model's own GGUF as it ships (no F32 copy); without, an F32 copy beside it."""
     import weights

@@ -11,6 +11,10 @@ ships (Q4_K_M for the 1.5B, what a CPU user would run), nanokv the same file's n
 runs in a fresh process with 2 threads, prefills the default question and decodes 256 greedy tokens (the end token
 masked); only the decode steps are timed. Runs alternate, so both see the same machine load; we report every run and
 nanokv's ratio to llama.cpp per pair, and the CPU.
+
+On a CPU with AMX, llama.cpp repacks Q4_K weights for its AMX backend, which crashed here on the first decode (SIGSEGV,
+as in ggml-org/llama.cpp#20824); --no-repack loads the weights as stored (llama.cpp's `use_extra_bufts` off: no AMX
+buffer, nor its CPU repacking), which runs.
 """
 
 import argparse
@@ -87,10 +91,19 @@ def nanokv_tok_s(name: str, quant: str | None) -> float:
     return STEPS / t["decode_s"]
 
 
-def llamacpp_tok_s(name: str, quant: str | None) -> float:
+def llamacpp_tok_s(name: str, quant: str | None, repack: bool = True) -> float:
+    import llama_cpp.llama_cpp as lib  # the bindings Llama() calls
     import numpy as np
     from llama_cpp import Llama
 
+    if not repack:  # Llama() starts from these defaults and exposes no flag for the field
+        defaults = lib.llama_model_default_params
+
+        def as_stored():
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+        lib.llama_model_default_params = as_stored
     llm = Llama(model_path=str(gguf_of(name, quant)), n_threads=2, n_ctx=1024, verbose=False)
     eos = llm.token_eos()
 
@@ -117,10 +130,14 @@ def main():
     ap.add_argument("--quant", default=None, choices=["int8", "int4"], help="nanokv's --quant; llama.cpp then decodes "
                     "the GGUF as it ships (default: both exact, fp32)")
     ap.add_argument("--runs", type=int, default=3, help="alternating pairs of runs")
+    ap.add_argument("--no-repack", action="store_true", help="llama.cpp keeps the weights as stored (no AMX or CPU "
+                    "repacking: where its AMX backend crashes)")
     ap.add_argument("--one", choices=["nanokv", "llamacpp"], help=argparse.SUPPRESS)  # a single run, in its process
     args = ap.parse_args()
     if args.one:
-        print(f"{(nanokv_tok_s if args.one == 'nanokv' else llamacpp_tok_s)(args.model, args.quant):.2f}")
+        tok_s = nanokv_tok_s(args.model, args.quant) if args.one == "nanokv" else \
+            llamacpp_tok_s(args.model, args.quant, not args.no_repack)
+        print(f"{tok_s:.2f}")
         return
     try:
         import llama_cpp  # noqa: F401
@@ -131,14 +148,25 @@ def main():
     gguf_of(args.model, args.quant)
     info = cpu_info()
     print(f"{args.model}; CPU: {info['cpu']}, {info['capability']}, {' '.join(info['flags'])}")
-    mine, theirs = f"nanokv {args.quant or 'fp32'}", "llama.cpp " + ("as shipped" if args.quant else "F32")
+    mine, theirs = f"nanokv {args.quant or 'fp32'}", "llama.cpp " + ("as shipped" if args.quant else "F32") + \
+        (", not repacked" * args.no_repack)
     print(f"| run | {theirs} tok/s | {mine} tok/s | ratio |\n|---|---|---|---|")
     for i in range(args.runs):
-        one = lambda which: float(subprocess.run(
-            [sys.executable, __file__, "--one", which, "--model", args.model, *(["--quant", args.quant] * bool(
-                args.quant))], check=True, capture_output=True, text=True).stdout.split()[-1])
-        ref, ours = one("llamacpp"), one("nanokv")
+        ref, ours = one_run("llamacpp", args), one_run("nanokv", args)
         print(f"| {i + 1} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |", flush=True)
+
+
+def one_run(which: str, args) -> float:
+    """One decoder's tokens/s, in a fresh process; a crash there is one line, naming it."""
+    cmd = [sys.executable, __file__, "--one", which, "--model", args.model, *(["--quant", args.quant] * bool(args.quant)),
+           *(["--no-repack"] * args.no_repack)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+        hint = " (on a CPU with AMX, try --no-repack)" if which == "llamacpp" and not args.no_repack else ""
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        sys.exit(f"error: the {which} run died ({why}){hint}: {last}")
+    return float(done.stdout.split()[-1])
 
 
 if __name__ == "__main__":

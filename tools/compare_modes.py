@@ -15,6 +15,9 @@ with fp32 per generated position; and --problems greedy answers decoded in each 
 where they part, and whether the graded answer is the same). One mode is in memory at a time.
 error: what each format (int8 per row, bf16, int4 from the kept blocks) does to a GGUF's own numbers, per block type:
 the measured ground for quant.plan's choice.
+accuracy: a fast mode's full-cache accuracy against fp32's, paired on the same problems (two eval.py accuracy files,
+--exact and --fast): the difference with its bootstrap interval and sign test, and whether the mode passes the check
+the replication study ran on (p > 0.2 and the interval within +-0.06).
 """
 
 import json
@@ -37,6 +40,7 @@ from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weig
 from policies import POLICIES  # noqa: E402
 from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
 from results import model_key  # noqa: E402
+from stats import bootstrap_diff, outcomes, sign_test  # noqa: E402
 from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
 from weights import DEFAULT_MODEL, INT4_TYPES, model_dir  # noqa: E402
@@ -162,6 +166,26 @@ def error(args) -> list[dict]:
             for (t, fmt), v in sorted(per.items())]
 
 
+def accuracy(args) -> list[dict]:
+    """The full-cache rows of --exact and --fast, paired over the problems both hold."""
+    def full(path):
+        rows = [r for r in json.loads(Path(path).read_text()) if r.get("task") == "accuracy" and r["policy"] == "full"]
+        if not rows:
+            raise UsageError(f"{path} holds no full-cache accuracy row: pass an eval.py accuracy file")
+        return rows[0]
+    a, b = full(args.fast), full(args.exact)
+    if (a["data_sha"], a["n"]) != (b["data_sha"], b["n"]):
+        raise UsageError(f"--fast and --exact hold other problems ({a['data']} n = {a['n']}, {b['data']} n = {b['n']})"
+                         ": run both on the same --data and --n")
+    oa, ob = outcomes(a), outcomes(b)
+    items = sorted(set(oa) & set(ob))
+    d, lo, hi = bootstrap_diff([oa[i] for i in items], [ob[i] for i in items])
+    n10, n01, p = sign_test([oa[i] for i in items], [ob[i] for i in items])
+    mode = f"{a.get('quant') or 'none'} ({a['dtype'].replace('torch.', '')})"
+    return [{"mode": mode, "n": len(items), "fast": a["accuracy"], "fp32": b["accuracy"], "diff": d, "lo": lo, "hi": hi,
+             "fast_only": n10, "fp32_only": n01, "p": p, "passes": p > 0.2 and lo >= -0.06 and hi <= 0.06}]
+
+
 def table(rows: list[dict]) -> str:
     keys = [k for k in rows[0] if k != "first_divergence"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -171,7 +195,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None):
     ap = Parser(description="fp32, bf16, int8 and int4 side by side: decode speed, or what each costs in fidelity.")
-    ap.add_argument("what", choices=["speed", "fidelity", "error"])
+    ap.add_argument("what", choices=["speed", "fidelity", "error", "accuracy"])
     ap.add_argument("--model", default=None, help="a name weights.py knows, or a model directory (default: the "
                     "default model)")
     ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
@@ -191,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--data", default=str(DATA / "gsm8k_test.jsonl"), help="fidelity: problems")
     ap.add_argument("--problems", type=int, default=20, help="fidelity: greedy answers compared")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="fidelity: cap on each answer")
+    ap.add_argument("--exact", default=None, help="accuracy: an eval.py accuracy file of the exact fp32 path")
+    ap.add_argument("--fast", default=None, help="accuracy: one of a fast mode, on the same problems")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     try:
@@ -200,8 +226,11 @@ def main(argv=None):
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
         info = cpu_info()
         print(f"CPU: {info['cpu']}, torch capability {info['capability']}, flags {' '.join(info['flags'])}")
-        rows = speed(args, load_modes(args.model, modes)) if args.what == "speed" else fidelity(args, modes) \
-            if args.what == "fidelity" else error(args)
+        if args.what == "accuracy" and not (args.exact and args.fast):
+            raise UsageError("accuracy needs --exact FILE and --fast FILE (eval.py accuracy files)")
+        run = {"speed": lambda: speed(args, load_modes(args.model, modes)), "fidelity": lambda: fidelity(args, modes),
+               "error": lambda: error(args), "accuracy": lambda: accuracy(args)}
+        rows = run[args.what]()
         print(table(rows))
         if args.out:
             Path(args.out).write_text(json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
