@@ -36,22 +36,24 @@ CURVE="$Q15 --data results/study/gsm8k_fit144.jsonl --n 100 --buffer 16 --max-ne
 LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 4096 --n 12
       --out results/study/longfid_q15.json"
 
+# The order, as run from the second sitting on (the first ran MATH's full and snapkv rows and the long traces): one
+# policy per step, the claims with the largest effects on the 1.5B first (the adversary's collapse, random against
+# the scorers, the reserve), so that a cut leaves whole comparisons.
 if [ "$lane" = A ]; then
-  step python eval.py accuracy --policies snapkv,vase,vase-adversary $MATH
-  step python eval.py accuracy --policies snapkv,vase,vase-noreserve $G05 --protect-prompt
+  for p in vase-adversary random vase criticalkv; do step python eval.py accuracy --policies $p $MATH; done
   step python eval.py accuracy --policies snapkv,vase --budgets 160,192 $CURVE
-  step python eval.py accuracy --policies snapkv,vase,vase-noreserve $G05 --no-protect-prompt
-  step python eval.py accuracy --policies snapkv,vase --budgets 256 $CURVE
+  step python eval.py accuracy --policies random,criticalkv --budgets 160,192 $CURVE
+  step python eval.py accuracy --policies snapkv,vase,random,criticalkv --budgets 256 $CURVE
 else
   [ -f results/study/long_pool.jsonl ] || { cat data/aime2024.jsonl; python -c "import json, sys
 sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['level'] == 5)"; } \
     > results/study/long_pool.jsonl
+  for p in snapkv,vase-adversary random vase criticalkv vase-noreserve; do
+    step python eval.py accuracy --policies $p $G05 --protect-prompt
+  done
   step python eval.py fidelity --policies all --budgets 512 --buffer 64 $LONG  # the traces are made here, once
   step python eval.py fidelity --policies epikv,epikv-band,epikv-lag --budgets 512 --buffer 128 $LONG  # authors' r
-  step python eval.py accuracy --policies random,criticalkv $MATH
-  step python eval.py accuracy --policies vase-adversary,random,criticalkv $G05 --protect-prompt
-  step python eval.py accuracy --policies random,criticalkv --budgets 160,192 $CURVE
-  step python eval.py accuracy --policies vase-adversary,random,criticalkv $G05 --no-protect-prompt
-  step python eval.py accuracy --policies random,criticalkv --budgets 256 $CURVE
+  step python eval.py accuracy --policies snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv $G05 \
+    --no-protect-prompt
   step python eval.py fidelity --policies snapkv,vase,random,criticalkv --budgets 256 --buffer 64 $LONG
 fi
