@@ -257,7 +257,7 @@ def check_weights(cfg: ModelConfig, shapes: dict[str, tuple[str, list[int]]], pa
     if not layers:
         raise ModelError(f"no model.layers.* tensors in the weights of {path}: not a Hugging Face Llama-style "
                          "checkpoint")
-    if cfg.num_hidden_layers != max(layers) + 1:
+    if cfg.num_hidden_layers != max(layers) + 1 and layers == set(range(max(layers) + 1)):  # else a damaged name
         raise ModelError(f"{cfg_file}: num_hidden_layers is {cfg.num_hidden_layers}, but the weights hold layers 0 to "
                          f"{max(layers)}: set num_hidden_layers to {max(layers) + 1}")
     H_q, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -331,19 +331,17 @@ def opened(file: Path):
         raise ModelError(f"corrupt safetensors file {file}: {e} (re-download or re-convert it)") from None
 
 
-FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names for the dtypes a weight may be stored in
+FLOAT_DTYPES = ("F32", "F64", "F16", "BF16")  # safetensors' names for the dtypes a weight may be stored in
 
 
 def garbled(name: str, missing: list[str]) -> str | None:
-    """The expected tensor name that an unknown name is a damaged copy of, if any: one with bytes that no tensor name
-    holds, or one of the same length differing from a missing name in a few characters (a variant's extra tensor,
-    such as an o_proj bias, matches none)."""
-    for m in missing:
-        if len(m) == len(name) and sum(a != b for a, b in zip(m, name)) <= 4:
-            return m
-    if not name.isascii() or not name.isprintable():
-        return missing[0] if missing else "a tensor name"
-    return None
+    """Whether an unknown tensor name is a damaged copy of an expected one: the missing name of the same length that
+    differs from it in the fewest characters (at most 4), or "" for a name with bytes no tensor name holds; None for
+    a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
+    near = [(sum(a != b for a, b in zip(m, name)), m) for m in missing if len(m) == len(name)]
+    if near and min(near)[0] <= 4:
+        return min(near)[1]
+    return "" if not name.isascii() or not name.isprintable() else None
 
 
 def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str | None = None) -> Transformer:
@@ -367,15 +365,16 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
         if name not in want:
             if name == "lm_head.weight" and cfg.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
                 continue  # tied or derived: nothing to load
-            if garbled(name, missing):
-                raise ModelError(f"{path / file} is corrupt: its header names a tensor {name!r} where nanokv's "
-                                 f"{cfg.model_type} model expects {garbled(name, missing)!r}: re-download or "
-                                 "re-convert it")
+            damaged = garbled(name, missing)
+            if damaged is not None:
+                where = f" where nanokv's {cfg.model_type} model expects {damaged!r}" if damaged else ""
+                raise ModelError(f"{path / file} is corrupt: its header names a tensor {name!r}{where}: re-download "
+                                 "or re-convert it")
             raise ModelError(f"tensor {name} in {file} has no place in nanokv's {cfg.model_type} model: this "
                              "checkpoint variant is unsupported")
-        if dtypes[name] not in FLOAT_DTYPES:  # nanokv's own int8/int4 are made on load, or kept apart (quant.SIDE)
-            raise ModelError(f"tensor {name} in {file} is stored as {dtypes[name]}, not floating point: nanokv reads "
-                             "F32, F16 or BF16 weights (for 8 or 4 bits, load a float checkpoint with --quant)")
+        if dtypes[name] not in FLOAT_DTYPES:  # nanokv's own int8/int4 are made on load, or kept apart (weights.SIDE)
+            raise ModelError(f"tensor {name} in {file} is stored as {dtypes[name]}: nanokv reads weights stored as "
+                             f"{', '.join(FLOAT_DTYPES)} (for 8 or 4 bits, load such a checkpoint with --quant)")
         if shape != want[name]:
             raise ModelError(f"tensor {name} in {file} has shape {shape}, expected {want[name]}: the weights do not "
                              "match config.json")

@@ -1250,9 +1250,10 @@ def bad_dir(tmp_path, kind):
         save_file({**load_file(f), "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, f)
     elif kind == "corrupt":
         open(f, "r+b").write(b"\xff" * 16)
-    elif kind == "garbled":  # bytes of the header overwritten: still valid JSON, one name damaged
+    elif kind in ("garbled", "garbled-layer"):  # bytes of the header overwritten: still valid JSON, one name damaged
         data = open(f, "rb").read()
-        open(f, "wb").write(data.replace(b"layers.1.mlp.up_proj", b"layers.1.mlp.u#~proj", 1))
+        new = b"layers.1.mlp.u#~proj" if kind == "garbled" else b"layers.9.mlp.up_proj"  # not "set 10 layers"
+        open(f, "wb").write(data.replace(b"layers.1.mlp.up_proj", new, 1))
     elif kind in ("int8", "bool"):  # integer or bool weights, not a format nanokv writes: garbage if cast
         from safetensors.torch import load_file
         sd = load_file(f)
@@ -1276,9 +1277,11 @@ def bad_dir(tmp_path, kind):
                                          ("arch", "unsupported model_type 'gpt2'"), ("corrupt", "corrupt safetensors"),
                                          ("garbled", "model.safetensors is corrupt: its header names a tensor "
                                                      "'model.layers.1.mlp.u#~proj.weight' where"),
+                                         ("garbled-layer", "'model.layers.9.mlp.up_proj.weight' where nanokv's llama "
+                                                           "model expects 'model.layers.1.mlp.up_proj.weight'"),
                                          ("int8", "model.layers.0.mlp.down_proj.weight in model.safetensors is stored "
-                                                  "as I8, not floating point"),
-                                         ("bool", "is stored as BOOL, not floating point"),
+                                                  "as I8: nanokv reads weights stored as F32"),
+                                         ("bool", "is stored as BOOL: nanokv reads"),
                                          ("missing", "model.layers.1.mlp.up_proj.weight missing"),
                                          ("shape", "model.norm.weight in model.safetensors has shape [7]"),
                                          ("bad-json", "is not valid JSON"), ("heads", "not a multiple of"),
@@ -3435,8 +3438,8 @@ def test_compare_modes_runs_every_mode_side_by_side(tiny_lab, tmp_path):
 
 
 def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
-    """compare_modes accuracy pairs two full-cache rows on their problems: the difference, its sign test's split and
-    the +-0.06 check; rows of other problems are one line."""
+    """compare_modes accuracy pairs the two files' full-cache rows of one setting on their problems: the difference,
+    its sign test's split and the +-0.06 check; files with no such pair are one line."""
     tool = load_tool("compare_modes")
     row = lambda right, **kw: {"task": "accuracy", "policy": "full", "data": "d.jsonl", "data_sha": "x", "n": 4,
                                "dtype": "torch.bfloat16", "accuracy": sum(right) / 4, **kw,
@@ -3448,7 +3451,7 @@ def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
                "--out", str(tmp_path / "a.json")])
     (r,) = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert (r["diff"], r["fast_only"], r["fp32_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
-    assert "hold other problems" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
+    assert "hold 0 pairs of full-cache rows" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
                                                               "--fast", str(tmp_path / "g.json")], capsys)
 
 

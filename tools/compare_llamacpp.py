@@ -19,6 +19,7 @@ buffer, nor its CPU repacking), which runs.
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,6 +98,8 @@ def llamacpp_tok_s(name: str, quant: str | None, repack: bool = True) -> float:
     from llama_cpp import Llama
 
     if not repack:  # Llama() starts from these defaults and exposes no flag for the field
+        if "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
+            sys.exit("error: this llama-cpp-python has no use_extra_bufts (no repacking to turn off): drop --no-repack")
         defaults = lib.llama_model_default_params
 
         def as_stored():
@@ -161,12 +164,14 @@ def one_run(which: str, args) -> float:
     cmd = [sys.executable, __file__, "--one", which, "--model", args.model, *(["--quant", args.quant] * bool(args.quant)),
            *(["--no-repack"] * args.no_repack)]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
-        hint = " (on a CPU with AMX, try --no-repack)" if which == "llamacpp" and not args.no_repack else ""
-        last = (done.stderr.strip().splitlines() or [""])[-1]
+    out = done.stdout.split()
+    if done.returncode or not out:
+        why = f"{signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit status {done.returncode}"
+        hint = " (on a CPU with AMX, llama.cpp's repacked weights crash: try --no-repack)" \
+            if which == "llamacpp" and done.returncode < 0 and not args.no_repack else ""
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         sys.exit(f"error: the {which} run died ({why}){hint}: {last}")
-    return float(done.stdout.split()[-1])
+    return float(out[-1])
 
 
 if __name__ == "__main__":

@@ -167,23 +167,23 @@ def error(args) -> list[dict]:
 
 
 def accuracy(args) -> list[dict]:
-    """The full-cache rows of --exact and --fast, paired over the problems both hold."""
-    def full(path):
-        rows = [r for r in json.loads(Path(path).read_text()) if r.get("task") == "accuracy" and r["policy"] == "full"]
-        if not rows:
-            raise UsageError(f"{path} holds no full-cache accuracy row: pass an eval.py accuracy file")
-        return rows[0]
-    a, b = full(args.fast), full(args.exact)
-    if (a["data_sha"], a["n"]) != (b["data_sha"], b["n"]):
-        raise UsageError(f"--fast and --exact hold other problems ({a['data']} n = {a['n']}, {b['data']} n = {b['n']})"
-                         ": run both on the same --data and --n")
+    """The full-cache rows of --exact and --fast of one setting (problems, cap, grading), paired over the problems."""
+    same = ("data_sha", "n", "max_new_tokens", "grading")
+    full = lambda path: [r for r in json.loads(Path(path).read_text()) if r.get("task") == "accuracy"
+                         and r.get("policy") == "full"]
+    pairs = [(a, b) for a in full(args.fast) for b in full(args.exact) if all(a.get(k) == b.get(k) for k in same)]
+    if len(pairs) != 1:
+        raise UsageError(f"--fast {args.fast} and --exact {args.exact} hold {len(pairs)} pairs of full-cache rows of one "
+                         f"setting ({', '.join(same)}), not 1: run both on the same --data, --n and --max-new-tokens")
+    (a, b), = pairs
     oa, ob = outcomes(a), outcomes(b)
     items = sorted(set(oa) & set(ob))
     d, lo, hi = bootstrap_diff([oa[i] for i in items], [ob[i] for i in items])
     n10, n01, p = sign_test([oa[i] for i in items], [ob[i] for i in items])
     mode = f"{a.get('quant') or 'none'} ({a['dtype'].replace('torch.', '')})"
-    return [{"mode": mode, "n": len(items), "fast": a["accuracy"], "fp32": b["accuracy"], "diff": d, "lo": lo, "hi": hi,
-             "fast_only": n10, "fp32_only": n01, "p": p, "passes": p > 0.2 and lo >= -0.06 and hi <= 0.06}]
+    return [{"mode": mode, "data": a["data"], "n": len(items), "fast": a["accuracy"], "fp32": b["accuracy"], "diff": d,
+             "lo": lo, "hi": hi, "fast_only": n10, "fp32_only": n01, "p": p,
+             "passes": lo is not None and p > 0.2 and lo >= -0.06 and hi <= 0.06}]
 
 
 def table(rows: list[dict]) -> str:
