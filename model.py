@@ -357,7 +357,8 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
     for file in files:
         with opened(file) as f:
             for name in f.keys():
-                shapes[name], dtypes[name] = (file.name, f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()
+                sl = f.get_slice(name)
+                shapes[name], dtypes[name] = (file.name, sl.get_shape()), sl.get_dtype()
     check_weights(cfg, shapes, path)  # config.json's sizes against the tensors, each mismatch naming its key
     want = {name: list(p.shape) for name, p in Transformer(cfg, "meta").named_parameters()}  # costs no memory
     missing = [name for name in want if name not in shapes]

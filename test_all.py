@@ -3469,6 +3469,22 @@ def test_compare_llamacpp_decodes_the_file_as_it_ships(tmp_path, monkeypatch):
     assert f32.name == "Qwen2.5-Coder-1.5B-Instruct.F32.gguf" and f32.is_file()
 
 
+def test_compare_llamacpp_names_a_crashed_run(capsys, monkeypatch):
+    """A decoder process that dies (llama.cpp's AMX repacking segfaults on some CPUs) is one line naming the signal,
+    with --no-repack suggested only where it could help."""
+    import argparse
+    import subprocess
+
+    tool = load_tool("compare_llamacpp")
+    dead = subprocess.CompletedProcess([], -11, stdout="", stderr="")
+    monkeypatch.setattr(tool.subprocess, "run", lambda *a, **k: dead)
+    args = argparse.Namespace(model="smollm2-135m", quant="int4", no_repack=False)
+    msg = one_line_exit(lambda a: tool.one_run(*a), ["llamacpp", args], capsys)
+    assert "the llamacpp run died (SIGSEGV)" in msg and "try --no-repack" in msg
+    args.no_repack = True
+    assert "--no-repack" not in one_line_exit(lambda a: tool.one_run(*a), ["llamacpp", args], capsys)
+
+
 def test_holm_and_the_replication_verdicts(tmp_path, capsys):
     """stats.holm, hand-worked (a p equal to its threshold survives); tools/replication.py's rules on set intervals:
     directional, parity in accuracy (within 0.06), parity in KL; and on a study folder: a cell per comparison whose
