@@ -91,8 +91,8 @@ def autodetect_device() -> str:
 
 def resolve_device(device: str | None, dtype: str | None, quant: str | None = None) -> tuple[str, torch.dtype]:
     """--device / --dtype / --quant -> a usable device and dtype: bf16 on CUDA, fp32 elsewhere unless asked, and with
-    --quant bf16 activations where the CPU has bf16 units (fp32 elsewhere: correct, but torch's int kernels are slow
-    there; RESULTS.md says which mode is fastest where)."""
+    --quant bf16 activations on every CPU. note: not only where the CPU has bf16 units: torch's int4 and int8 kernels
+    are written for bf16 inputs, and with fp32 ones they run 10-44x slower even on an AVX2-only CPU (RESULTS.md)."""
     device = device or autodetect_device()
     try:
         d = torch.device(device)
@@ -112,7 +112,7 @@ def resolve_device(device: str | None, dtype: str | None, quant: str | None = No
         raise UsageError("--quant takes --dtype bfloat16 or float32 (the activations' dtype), not float16")
     if dtype:
         return device, getattr(torch, dtype)
-    return device, torch.bfloat16 if d.type == "cuda" or quant and cpu_has_bf16() else torch.float32
+    return device, torch.bfloat16 if d.type == "cuda" or quant else torch.float32
 
 
 def cpu_info() -> dict:
@@ -130,11 +130,6 @@ def cpu_info() -> dict:
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(),
             "flags": [f for f in wanted if f in flags]}
-
-
-def cpu_has_bf16() -> bool:
-    """bf16 matrix units (AVX-512 BF16 or AMX): there bf16 activations run fast; elsewhere torch emulates them."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["flags"]))
 
 
 TORCH_THREADS = torch.get_num_threads()  # torch's own choice (all cores, or OMP_NUM_THREADS), before we change it

@@ -94,7 +94,7 @@ def dense(w) -> Tensor:
     """The weight w [out, in] as one dense tensor, for the few readers of a weight's entries (CriticalKV's
     ||V W_O||, the perturbation probe), in the activations' dtype: int8 is q * scale; int4's packing is torch's own,
     so it is run through its kernel on the identity matrix, once (kept): exactly the matrix linear() multiplies by.
-    note: in fp32 activations torch's int kernels are slow (no bf16 units), and that first call with it."""
+    note: in fp32 activations torch's int kernels are slow (vectorized for bf16 inputs only); so is that first call."""
     if isinstance(w, tuple):
         return torch.cat([dense(part) for part in w])
     if not isinstance(w, QuantWeight):

@@ -3253,21 +3253,21 @@ def quantized_tiny(factory, dtype, cache={}):
     return cache[dtype]
 
 
-def test_cpu_without_bf16_units_falls_back_to_fp32_activations(tiny_lab, monkeypatch):
-    """--quant's default activations are bf16 where the CPU has bf16 units and fp32 where it has none (simulated
-    here): the fallback gives the answers of --dtype float32 --quant int4, on torch's threads; --dtype overrides."""
+def test_quant_runs_bf16_activations_on_every_cpu(tiny_lab, monkeypatch):
+    """--quant's default activations are bf16 on every CPU, one with no bf16 units too (simulated here: torch's int
+    kernels run 10-44x slower on fp32 inputs even there); --dtype float32 still gives the fp32-activation path, on
+    torch's threads, whose answers bf16's rounding parts from."""
     path = tiny_lab.model  # with a tokenizer: cli.load reads it
-    has = cli.cpu_has_bf16()
-    assert cli.resolve_device("cpu", None, "int4")[1] == (torch.bfloat16 if has else torch.float32)
-    assert cli.resolve_device("cpu", "bfloat16", "int4")[1] == torch.bfloat16
-    bf16 = generate_rows(cli.load(path, "cpu", "bfloat16", "int4")[0], "snapkv", PROMPTS)[0]
-    monkeypatch.setattr(cli, "cpu_has_bf16", lambda: False)
-    fallback = cli.load(path, "cpu", None, "int4")[0]  # as generate.py and eval.py load it
-    assert torch.get_num_threads() == cli.TORCH_THREADS and fallback.model.embed_tokens.weight.dtype == torch.float32
-    assert dense(fallback.model.layers[0].mlp.w13).dtype == torch.float32
-    got, explicit = (generate_rows(m, "snapkv", PROMPTS)[0] for m in (fallback, cli.load(path, "cpu", "float32",
-                                                                                          "int4")[0]))
-    assert got == explicit != bf16  # the fp32-activation path, which bf16's rounding parts from
+    monkeypatch.setattr(cli, "cpu_info", lambda: {"cpu": "x", "capability": "AVX2", "flags": ["avx2"]})
+    assert cli.resolve_device("cpu", None, "int4")[1] == cli.resolve_device("cpu", None, "int8")[1] == torch.bfloat16
+    assert cli.resolve_device("cpu", None, None)[1] == torch.float32  # the exact path stays the default without it
+    default = cli.load(path, "cpu", None, "int4")[0]  # as generate.py and eval.py load it
+    assert default.model.embed_tokens.weight.dtype == torch.bfloat16
+    fp32 = cli.load(path, "cpu", "float32", "int4")[0]
+    assert torch.get_num_threads() == cli.TORCH_THREADS and dense(fp32.model.layers[0].mlp.w13).dtype == torch.float32
+    got, explicit = (generate_rows(m, "snapkv", PROMPTS)[0] for m in (default, fp32))
+    assert got != explicit  # the two paths are not the same computation
+    assert got == generate_rows(cli.load(path, "cpu", "bfloat16", "int4")[0], "snapkv", PROMPTS)[0]
     cli.cpu_threads("cpu", torch.float32, None)
 
 

@@ -8,7 +8,7 @@ The fast modes beside the exact one, in one process: --dtype bfloat16, --quant i
 speed: each mode's model is loaded once, and their decoders take turns of 16 greedy steps (who goes first rotates),
 so every mode sees the same machine; a mode's tokens/s is its steps over its own time, with the split of a step into
 matrix products, attention, eviction and the rest (as `eval.py bench`), for each batch size. The CPU is named in
-the output: speeds on another CPU differ, and a mode's rank may too (cli.cpu_has_bf16).
+the output: speeds on another CPU differ, and a mode's rank may too.
 fidelity: the cost of a mode in what it computes: the model's own full-cache conversations (eval.py fidelity's
 traces, or --n new ones) teacher-forced through the full cache in each mode, KL(fp32 || mode) and top-1 agreement
 with fp32 per generated position; and --problems greedy answers decoded in each mode against fp32's (the first token
