@@ -132,6 +132,15 @@ def cpu_info() -> dict:
             "flags": [f for f in wanted if f in flags]}
 
 
+def made_on(device: torch.device) -> str:
+    """The machine a result was computed on, for rows resumed across machines: greedy decoding in bf16 on two CPUs
+    can part at a rounding (torch's kernels vectorize for what each CPU has), so a row says where each part ran."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    info = cpu_info()
+    return f"{info['cpu']}, {info['capability']}"
+
+
 TORCH_THREADS = torch.get_num_threads()  # torch's own choice (all cores, or OMP_NUM_THREADS), before we change it
 
 

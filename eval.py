@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, minmax_int4, output_failed, plain_text,
-                 policy_names, resolve_device)
+from cli import (Parser, UsageError, add_device_args, int_list, load, made_on, minmax_int4, output_failed,
+                 plain_text, policy_names, resolve_device)
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
@@ -137,6 +137,7 @@ def accuracy(args, job: dict, lab: dict) -> dict:
     done = progress.part.get("per_problem", [])  # the first batches' outcomes, in problem order
     if [p["i"] for p in done] != list(range(len(done))):
         raise UsageError(f"{progress.path} does not hold the first problems in order: delete it and rerun")
+    where = made_on(model.model.embed_tokens.weight.device)
     for i in range(len(done), len(rows), args.batch_size):
         batch = rows[i : i + args.batch_size]
         prompts = [ask(tok, r["question"]) for r in batch]
@@ -150,7 +151,7 @@ def accuracy(args, job: dict, lab: dict) -> dict:
             done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
                          "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                          "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred,
-                         "text_z": pack_text(text)})  # what was graded, for an audit or a regrade
+                         "text_z": pack_text(text), "made_on": where})  # what was graded, and where
         progress.save(per_problem=done)
     mean = lambda field: sum(p[field] for p in done) / len(done)
     return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),

@@ -95,7 +95,8 @@ list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
 maybe = lambda ok: lambda v: v is None or ok(v)
 PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
            "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
-LATER = {"text_z": text}  # fields of a problem that rows made before them lack (text_z: the generated text, packed)
+# fields of a problem that rows made before them lack: text_z, the generated text, packed; made_on, the machine
+LATER = {"text_z": text, "made_on": text}
 problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
     ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
 FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value

@@ -3360,8 +3360,8 @@ def test_model_key_ignores_the_4bit_side_file(tmp_path):
 
 
 def test_accuracy_rows_keep_the_text_and_it_regrades_the_same(tiny_lab, tmp_path):
-    """Every accuracy problem keeps its generated text (packed, a fraction of the raw size); extracting the answer
-    from the stored text and grading it again gives the row's own pred and verdict."""
+    """Every accuracy problem keeps its generated text (packed, a fraction of the raw size) and the machine it ran on;
+    extracting the answer from the stored text and grading it again gives the row's own pred and verdict."""
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import regrade
 
@@ -3371,6 +3371,7 @@ def test_accuracy_rows_keep_the_text_and_it_regrades_the_same(tiny_lab, tmp_path
     for row in R.read_rows(out):
         for p in row["per_problem"]:
             assert len(R.unpack_text(p["text_z"])) >= p["tokens"] - 1  # a character or more a token
+            assert p["made_on"] == cli.made_on(torch.device("cpu")) and cli.cpu_info()["capability"] in p["made_on"]
         blank = dict(row, per_problem=[dict(p, pred="nonsense", correct=not p["correct"]) for p in row["per_problem"]])
         again, changed = regrade.regrade(blank, data, "a.json")  # the answers come back from the text alone
         assert again["per_problem"] == row["per_problem"] and len(changed) == len(row["per_problem"])
