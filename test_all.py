@@ -3489,7 +3489,8 @@ def test_compare_llamacpp_names_a_crashed_run(capsys, monkeypatch):
 def test_holm_and_the_replication_verdicts(tmp_path, capsys):
     """stats.holm, hand-worked (a p equal to its threshold survives); tools/replication.py's rules on set intervals:
     directional, parity in accuracy (within 0.06), parity in KL; and on a study folder: a cell per comparison whose
-    rows exist, 'cannot be tested here' where they do not, and a file mixing two settings refused in one line."""
+    rows exist, 'cannot be tested here' where they do not, the machines the problems ran on, and a file mixing two
+    settings refused in one line."""
     assert stats.holm([0.01, 0.04, 0.03]) == [True, False, False] and stats.holm([0.025, 0.05]) == [True, True]
     tool = load_tool("replication")
     cell = lambda expect, lo, hi, kl=False: SimpleNamespace(expect=expect, lo=lo, hi=hi, kl=kl)
@@ -3508,10 +3509,13 @@ def test_holm_and_the_replication_verdicts(tmp_path, capsys):
                 "protect": None if policy == "full" else protect, "model": "m", "n": n, "per_problem": per, **kw}
 
     rows = [row("full", range(30)), row("vase-adversary", range(5)), row("random", range(25)), row("snapkv", range(26))]
+    for p in rows[1]["per_problem"][:10]:
+        p["made_on"] = "AMD EPYC, AVX2"
     (tmp_path / "claims_q05.json").write_text(json.dumps(rows))
     tool.main(["--study", str(tmp_path)])
     out = capsys.readouterr().out
     assert "vase-adversary − full -0.625" in out and "survives Holm" in out and "random − snapkv -0.025" in out
+    assert "- 0.5B, GSM8K (int4, K = 208): AMD EPYC, AVX2: 10, not recorded: 150\n" in out  # where each problem ran
     assert "cannot be tested here" in out and "vase − snapkv" not in out  # no vase row
     (tmp_path / "claims_q05.json").write_text(json.dumps(rows + [row("vase", range(30), model="other")]))
     assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)

@@ -146,6 +146,17 @@ CURVE = (160, 192, 256)  # claim 3's budgets; its policies against snapkv at eac
 CURVE_CLAIMS = (("criticalkv", "above"), ("vase", "above"), ("random", "parity"))
 
 
+def machines(rows: dict) -> str:
+    """Where the problems of rows ran: each machine with its count of problems ("not recorded": rows made before
+    rows recorded it, 3 December 2026). Greedy decoding can part at a rounding between two CPUs, so a pairing across
+    machines holds that noise too (RESULTS.md measures it)."""
+    count = {}
+    for r in rows.values():
+        for p in r.get("per_problem", []):
+            count[p.get("made_on", "not recorded")] = count.get(p.get("made_on", "not recorded"), 0) + 1
+    return ", ".join(f"{m}: {n}" for m, n in sorted(count.items())) or "no rows"
+
+
 def main(argv=None):
     ap = Parser(description="The replication table from the study's result files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
@@ -177,6 +188,10 @@ def main(argv=None):
         row = ["; ".join(mark(c) if isinstance(c, Cell) else c for c in cells[name][claim] if c)
                or "cannot be tested here" for name in columns]
         print(f"| {claim} | " + " | ".join(row) + " |")
+    print("\nWhere the accuracy rows' problems ran:")
+    for name, acc in [(name, acc) for name, (acc, *_) in columns.items()] + [("claim 3's curve", curve)]:
+        if acc:
+            print(f"- {name}: {machines(acc)}")
     print("\nClaim 3 by accuracy (1.5B, int4, the first 100 GSM8K problems whose prompt fits K = 160, protected):")
     for k in CURVE:
         accs = ", ".join(f"{p} {sum(outcomes(curve[p, k, True]).values())} / {len(outcomes(curve[p, k, True]))}"
