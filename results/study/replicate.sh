@@ -15,7 +15,8 @@
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 lane=$1
-log() { echo "$(date -u +%FT%TZ) lane $lane: $*" >> results/study/replicate.log; }
+machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))")  # rows resumed on another CPU part
+log() { echo "$(date -u +%FT%TZ) lane $lane ($machine): $*" >> results/study/replicate.log; }
 step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
 
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16"
