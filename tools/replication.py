@@ -22,6 +22,7 @@ the spread's on its bootstrap interval alone, so neither enters the family.
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
@@ -150,10 +151,7 @@ def machines(rows: dict) -> str:
     """Where the problems of rows ran: each machine with its count of problems ("not recorded": rows made before
     rows recorded it, 3 December 2026). Greedy decoding can part at a rounding between two CPUs, so a pairing across
     machines holds that noise too (RESULTS.md measures it)."""
-    count = {}
-    for r in rows.values():
-        for p in r.get("per_problem", []):
-            count[p.get("made_on", "not recorded")] = count.get(p.get("made_on", "not recorded"), 0) + 1
+    count = Counter(p.get("made_on", "not recorded") for r in rows.values() for p in r.get("per_problem", []))
     return ", ".join(f"{m}: {n}" for m, n in sorted(count.items())) or "no rows"
 
 
