@@ -18,6 +18,7 @@ measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figu
 """
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,12 +31,13 @@ from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
-from results import (Progress, check_writable, merge, model_key, pack_text, read_json, read_rows, result_file,
+from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
 from traces import (check_first_turns, conversation_plans, first_turn, first_turns, long_answers, pack_conversations,
                     replay, targets, trace_cap)
+from weights import MODEL_HOME
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -52,7 +54,7 @@ def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str, str | None]:
 
 
 # -----------------------------------------------------------------------------
-# shared state of a sweep: the model, its traces and the full cache's log-probs, built once on first use
+# shared state of a sweep: the model, its traces and the full cache's logits, built once on first use
 
 
 def model_of(args, lab: dict):
@@ -92,39 +94,64 @@ def traces(args, lab: dict) -> list[dict]:
 # the measurements: each maps one job to its row's result fields
 
 
-def full_logprobs(args, lab: dict, i: int, tr: dict, at: torch.Tensor) -> torch.Tensor:
-    """The full cache's log-probs on trace i at positions `at`, [N, V], computed once per sweep. They wait on disk
-    (a temporary folder, memory-mapped back): 12 traces of 600 answer tokens over a 152k vocabulary are 4.4 GB."""
-    if "refs" not in lab:
-        lab["refs"] = tempfile.TemporaryDirectory(prefix="nanokv-refs-")  # removed when the sweep ends
-    path = Path(lab["refs"].name) / f"{i}.pt"
+def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
+    """The full cache's logits on a trace at positions `at`, [N, V], computed once per trace and kept on disk in the
+    dtype the model computed them in (bf16: half of fp32, and exact), memory-mapped back. A sweep that saves to --out
+    keeps them under $NANOKV_HOME/refs, named by the trace and the model's settings, so that a killed sweep's rerun
+    does not replay the full cache again (12 long traces: 14 GB, 12 replays); they go when its command has finished
+    every job (main). Without --out, in a temporary folder that goes with the sweep."""
+    path = reference_path(args, lab, tr)
     if not path.exists():
         model, _ = model_of(args, lab)
-        torch.save(replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at].log_softmax(-1), path)
+        logits = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at]
+        small = logits.to(model.model.norm.weight.dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(small if torch.equal(small.float(), logits) else logits, f"{path}.{os.getpid()}.tmp")
+        os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
     return torch.load(path, mmap=True)
 
 
+def reference_path(args, lab: dict, tr: dict) -> Path:
+    if not args.out and "refs_tmp" not in lab:
+        lab["refs_tmp"] = tempfile.TemporaryDirectory(prefix="nanokv-refs-")  # removed when the sweep ends
+    name = digest({"ids": tr["ids"], "buffer": args.buffer, **model_settings(args)}) + ".pt"
+    return MODEL_HOME / "refs" / name if args.out else Path(lab["refs_tmp"].name) / name
+
+
+def compare(ref: torch.Tensor, logits: torch.Tensor, nxt: torch.Tensor, rows: int = 256) -> dict:
+    """Sums over positions of KL(p || q), top-1 agreement, and log p - log q of the trace's own next token nxt [N, 1],
+    where p and q are the softmaxes of the full cache's logits ref and a policy's logits, both [N, V]; a few hundred
+    positions at a time (a long trace's log-probs over a 152k vocabulary are gigabytes)."""
+    kl = top1 = gap = 0.0
+    for s in range(0, len(ref), rows):
+        p, q = (x[s : s + rows].float().log_softmax(-1) for x in (ref, logits))
+        kl += (p.exp() * (p - q)).sum().item()
+        top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
+        gap += (p.gather(1, nxt[s : s + rows]) - q.gather(1, nxt[s : s + rows])).sum().item()
+    return {"kl": kl, "top1": top1, "gap": gap}
+
+
 def fidelity(args, job: dict, lab: dict) -> dict:
+    """Teacher-forced KL against the full cache, trace by trace. Each trace's sums are saved as it finishes
+    (results.Progress), so a killed sweep's rerun replays only the traces not yet done."""
     model, _ = model_of(args, lab)
-    kl = top1 = gap = n = 0.0
-    by_trace, rounds, shares = [], [], []  # per trace: the same traces for every policy, so they can be paired
-    for i, tr in enumerate(traces(args, lab)):
+    progress = Progress(result_file(args.out, args.shard), job)
+    done = progress.part.get("per_trace", [])  # the first traces' sums, in trace order
+    for tr in traces(args, lab)[len(done) :]:
         at = targets(tr)
         nxt = torch.tensor(tr["ids"])[at + 1, None]  # [N, 1] the trace tokens
-        p = full_logprobs(args, lab, i, tr, at)
+        ref = reference(args, lab, tr, at)
         run = run_for(job, args, tr["prompt_len"])
         kept = kept_share(run)
-        q = p if job["policy"] == "full" else replay(model, tr["ids"], run)[at].log_softmax(-1)  # full: KL 0
-        rounds.append(run.rounds[0])
-        shares.append(kept(0, len(tr["ids"]) - tr["prompt_len"] + 1))  # every token after the prompt was fed
-        by_trace.append((p.exp() * (p - q)).sum().item())
-        kl += by_trace[-1]
-        by_trace[-1] /= len(at)
-        top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
-        gap += (p.gather(1, nxt) - q.gather(1, nxt)).sum().item()
-        n += len(at)
-    return {"kl": kl / n, "top1": top1 / n, "nll_gap": gap / n, "tokens": int(n), "kl_by_trace": by_trace,
-            "mean_evictions": sum(rounds) / len(rounds), "mean_kept": sum(shares) / len(shares)}
+        logits = ref if job["policy"] == "full" else replay(model, tr["ids"], run)[at]  # full: KL 0
+        done.append({**compare(ref, logits, nxt), "tokens": len(at), "evictions": run.rounds[0],
+                     "kept": kept(0, len(tr["ids"]) - tr["prompt_len"] + 1)})  # every token after the prompt was fed
+        progress.save(per_trace=done)
+    total = lambda field: sum(t[field] for t in done)
+    n = total("tokens")
+    return {"kl": total("kl") / n, "top1": total("top1") / n, "nll_gap": total("gap") / n, "tokens": n,
+            "kl_by_trace": [t["kl"] / t["tokens"] for t in done],  # paired by trace: the same traces for every policy
+            "mean_evictions": total("evictions") / len(done), "mean_kept": total("kept") / len(done)}
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
@@ -401,7 +428,7 @@ def main(argv=None):
             import plot  # matplotlib: imported by this subcommand only
 
             return print("\n".join(map(str, plot.draw(args.files, args.out))))
-        where = result_file(args.out, args.shard)
+        where, lab = result_file(args.out, args.shard), {}
         if where:
             check_writable(where)  # before the model loads and the first job runs
         if args.cmd == "bench":
@@ -414,7 +441,7 @@ def main(argv=None):
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype, args.quant)[0]).type == \
                     "cuda" else 16
-            lab, job_cost = {}, cost
+            job_cost = cost
             if args.cmd == "probe" and args.probe == "heads":
                 # the full cache (every head keeps the fact) first: whether the model recalls at all comes first
                 args.heads = list(range(model_of(args, lab)[0].cfg.num_key_value_heads, -1, -1))
@@ -425,13 +452,16 @@ def main(argv=None):
                 check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
         rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)
+        if args.cmd == "fidelity" and not any("error" in r for r in rows):  # every job done: the references go
+            for tr in lab.get("traces", []):
+                reference_path(args, lab, tr).unlink(missing_ok=True)
         done = f"shard {args.shard[0]}/{args.shard[1]} in {where}" if args.shard else ""
         report(jobs, rows, done and f"{done}; when every shard is done: python eval.py merge --out {args.out}")
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("\ninterrupted: finished rows (and accuracy's finished batches) are saved; rerun the same command "
-                 "to resume")
+        sys.exit("\ninterrupted: finished rows (and accuracy's finished batches, fidelity's finished traces) are "
+                 "saved; rerun the same command to resume")
     except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
         sys.stderr.close()
     except OSError as e:  # e.g. `> /dev/full`: one line, not a traceback

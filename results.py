@@ -99,9 +99,11 @@ PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "token
 LATER = {"text_z": text, "made_on": text}
 problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
     ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
+TRACE = {"kl": num, "top1": num, "gap": num, "tokens": integer, "evictions": integer, "kept": num}  # fidelity's sums
+trace = lambda t: isinstance(t, dict) and t.keys() == TRACE.keys() and all(ok(t[k]) for k, ok in TRACE.items())
 FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(integer), "kl": num, "accuracy": num, "context": integer,
-    "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num),
+    "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num), "per_trace": list_of(trace),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
     "logprob_by_set": list_of(num),

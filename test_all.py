@@ -1626,6 +1626,15 @@ def args_for(*argv):
     return ev.build_parser().parse_args(list(argv))
 
 
+@pytest.fixture(autouse=True)
+def refs_home(tmp_path_factory, monkeypatch):
+    """Fidelity sweeps with --out keep the full cache's logits under $NANOKV_HOME/refs: in the tests, a folder of
+    their own, never the user's."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setattr(ev, "MODEL_HOME", home)
+    return home / "refs"
+
+
 # -----------------------------------------------------------------------------
 # fidelity and replay
 
@@ -1967,6 +1976,33 @@ def test_merge_names_what_is_wrong_in_one_line(tmp_path, capsys):
     fake_sweep(out, "--seed", "1", skip=(1,))
     assert "shard 2/2 ran other settings than shard 1/2 (seed 1 against 0)" in merge()
     assert not out.exists() and len(list(tmp_path.glob("rows.shard-*"))) == 2
+
+
+def test_fidelity_resumes_per_trace(tiny_lab, tmp_path, monkeypatch, refs_home):
+    """A fidelity sweep killed in its second trace of snapkv and rerun replays only snapkv's last two traces: the full
+    cache's logits wait on disk (bf16-exact or fp32, as computed), so it is not replayed again; the row is the one an
+    uninterrupted run gives, and the references go once every job is done."""
+    argv = lab_argv(tiny_lab, "fidelity", "--policies", "snapkv", "--budgets", "128")
+    replays, real = [], ev.replay
+
+    def replay(model, ids, run, *a, **kw):
+        if kill and len(replays) == 4:
+            raise KeyboardInterrupt  # 3 references, snapkv's first trace, then a kill in its second
+        replays.append("full" if run.budget is None else "snapkv")
+        return real(model, ids, run, *a, **kw)
+
+    monkeypatch.setattr(ev, "replay", replay)
+    kill = True
+    with pytest.raises(SystemExit, match="fidelity's finished traces"):
+        ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    assert replays == ["full"] * 3 + ["snapkv"] and len(list(refs_home.glob("*.pt"))) == 3
+    assert [len(R.read_json(p, dict)["per_trace"]) for p in tmp_path.glob("a.progress-*.json")] == [1]
+    kill, replays[:] = False, []
+    ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    assert replays == ["snapkv"] * 2 and not list(refs_home.glob("*")) and not list(tmp_path.glob("*progress*"))
+    ev.main(argv + ["--out", str(tmp_path / "b.json")])
+    a, b = (R.read_rows(tmp_path / f) for f in ("a.json", "b.json"))
+    assert a == b and a[1]["kl"] > 0 and len(a[1]["kl_by_trace"]) == 3 and a[0]["kl"] == 0
 
 
 @pytest.mark.parametrize("shard", [[], ["--shard", "2/2"]])
