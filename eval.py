@@ -13,7 +13,7 @@ outcome. Left out: sampling / pass@k, model-judged answers.
 
 Laid out top to bottom: the sweep's shared state (the model, the cached traces); the measurements, one function
 per subcommand, each mapping a job to its row's fields; the driver (jobs, their keys and costs, checks before the
-first job); the CLI. Beside it: traces.py (the packed conversations, replay), probes.py (recall probes and per-head
+first job); the CLI. Beside it: traces.py (the packed conversations, replay, compare), probes.py (recall probes and per-head
 measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result files).
 """
 
@@ -35,8 +35,8 @@ from results import (Progress, check_writable, digest, merge, model_key, pack_te
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
-from traces import (check_first_turns, conversation_plans, first_turn, first_turns, long_answers, pack_conversations,
-                    replay, targets, trace_cap)
+from traces import (check_first_turns, compare, conversation_plans, first_turn, first_turns, long_answers,
+                    pack_conversations, replay, targets, trace_cap)
 from weights import MODEL_HOME
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -116,19 +116,6 @@ def reference_path(args, lab: dict, tr: dict) -> Path:
         lab["refs_tmp"] = tempfile.TemporaryDirectory(prefix="nanokv-refs-")  # removed when the sweep ends
     name = digest({"ids": tr["ids"], "buffer": args.buffer, **model_settings(args)}) + ".pt"
     return MODEL_HOME / "refs" / name if args.out else Path(lab["refs_tmp"].name) / name
-
-
-def compare(ref: torch.Tensor, logits: torch.Tensor, nxt: torch.Tensor, rows: int = 256) -> dict:
-    """Sums over positions of KL(p || q), top-1 agreement, and log p - log q of the trace's own next token nxt [N, 1],
-    where p and q are the softmaxes of the full cache's logits ref and a policy's logits, both [N, V]; a few hundred
-    positions at a time (a long trace's log-probs over a 152k vocabulary are gigabytes)."""
-    kl = top1 = gap = 0.0
-    for s in range(0, len(ref), rows):
-        p, q = (x[s : s + rows].float().log_softmax(-1) for x in (ref, logits))
-        kl += (p.exp() * (p - q)).sum().item()
-        top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
-        gap += (p.gather(1, nxt[s : s + rows]) - q.gather(1, nxt[s : s + rows])).sum().item()
-    return {"kl": kl, "top1": top1, "gap": gap}
 
 
 def fidelity(args, job: dict, lab: dict) -> dict:

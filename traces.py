@@ -162,3 +162,16 @@ def replay(model, ids: list[int], run, start: int = 0):
     if start:
         feed(model, cache, x[:, :start], run)
     return feed(model, cache, x[:, start:], run, all_logits=True)[0]
+
+
+def compare(ref: torch.Tensor, logits: torch.Tensor, nxt: torch.Tensor, rows: int = 256) -> dict:
+    """Sums over positions of KL(p || q), top-1 agreement, and log p - log q of the trace's own next token nxt [N, 1],
+    where p and q are the softmaxes of the full cache's logits ref and a policy's logits, both [N, V]; a few hundred
+    positions at a time (a long trace's log-probs over a 152k vocabulary are gigabytes)."""
+    kl = top1 = gap = 0.0
+    for s in range(0, len(ref), rows):
+        p, q = (x[s : s + rows].float().log_softmax(-1) for x in (ref, logits))
+        kl += (p.exp() * (p - q)).sum().item()
+        top1 += (p.argmax(-1) == q.argmax(-1)).sum().item()
+        gap += (p.gather(1, nxt[s : s + rows]) - q.gather(1, nxt[s : s + rows])).sum().item()
+    return {"kl": kl, "top1": top1, "gap": gap}
