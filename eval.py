@@ -99,7 +99,7 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     dtype the model computed them in (bf16: half of fp32, and exact), memory-mapped back. A sweep that saves to --out
     keeps them under $NANOKV_HOME/refs, named by the trace and the model's settings, so that a killed sweep's rerun
     does not replay the full cache again (12 long traces: 14 GB, 12 replays); they go when its command has finished
-    every job (main). Without --out, in a temporary folder that goes with the sweep."""
+    every job (main), unless --keep-refs keeps them for the next sweep. Without --out, in a temporary folder that goes with the sweep."""
     path = reference_path(args, lab, tr)
     if not path.exists():
         model, _ = model_of(args, lab)
@@ -114,7 +114,8 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
 def reference_path(args, lab: dict, tr: dict) -> Path:
     if not args.out and "refs_tmp" not in lab:
         lab["refs_tmp"] = tempfile.TemporaryDirectory(prefix="nanokv-refs-")  # removed when the sweep ends
-    name = digest({"ids": tr["ids"], "buffer": args.buffer, **model_settings(args)}) + ".pt"
+    # not --buffer: the full cache never evicts, so its replay is one chunk whatever r is (as its row, make_jobs)
+    name = digest({"ids": tr["ids"], **model_settings(args)}) + ".pt"
     return MODEL_HOME / "refs" / name if args.out else Path(lab["refs_tmp"].name) / name
 
 
@@ -380,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", type=int, default=None, metavar="T", help="instead of packed conversations: one problem "
                    "each, the first --n of --data whose greedy full-cache answer (up to --max-new-tokens) runs to T "
                    "tokens or more (long-trace fidelity)")
+    p.add_argument("--keep-refs", action="store_true", help="keep the full cache's logits under $NANOKV_HOME/refs "
+                   "when the sweep is done, for a next sweep on the same traces (another --buffer, more policies); "
+                   "the last one without this flag removes them")
     sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
     p = sub.add_parser("probe", parents=[shared], help="passcode / planted-fact recall after a long trace")
     p.add_argument("--probe", choices=["passcode", "fact", "heads"], default="passcode", help="passcode: a code said "
@@ -439,7 +443,7 @@ def main(argv=None):
                 check_jobs(args, jobs, lab)
             measure = lambda job: TASKS[args.cmd](args, job, lab)
         rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)
-        if args.cmd == "fidelity" and not any("error" in r for r in rows):  # every job done: the references go
+        if args.cmd == "fidelity" and not args.keep_refs and not any("error" in r for r in rows):  # all done: they go
             for tr in lab.get("traces", []):
                 reference_path(args, lab, tr).unlink(missing_ok=True)
         done = f"shard {args.shard[0]}/{args.shard[1]} in {where}" if args.shard else ""

@@ -1978,6 +1978,33 @@ def test_merge_names_what_is_wrong_in_one_line(tmp_path, capsys):
     assert not out.exists() and len(list(tmp_path.glob("rows.shard-*"))) == 2
 
 
+def test_fidelity_references_serve_every_buffer(tiny_lab, tmp_path, monkeypatch, refs_home):
+    """The full cache never evicts, so its logits are the same at every --buffer: a sweep at another r on the same
+    --out (EPIKV at its authors' window beside the study's r) reads the references that a killed sweep left on disk
+    instead of replaying the full cache again; --keep-refs keeps them past a finished sweep, for the next one."""
+    argv = lab_argv(tiny_lab, "fidelity", "--policies", "snapkv", "--budgets", "128", "--out", str(tmp_path / "a.json"))
+    replays, real = [], ev.replay
+
+    def replay(model, ids, run, *a, **kw):
+        if kill and run.budget is not None:
+            raise KeyboardInterrupt  # the references are on disk; snapkv's first trace is killed
+        replays.append((run.budget, run.buffer))
+        return real(model, ids, run, *a, **kw)
+
+    monkeypatch.setattr(ev, "replay", replay)
+    kill = True
+    with pytest.raises(SystemExit, match="fidelity's finished traces"):
+        ev.main(argv)
+    assert len(replays) == 3 and len(list(refs_home.glob("*.pt"))) == 3
+    kill, replays[:] = False, []
+    ev.main(argv + ["--buffer", "32", "--keep-refs"])
+    assert replays == [(128, 32)] * 3 and len(list(refs_home.glob("*.pt"))) == 3  # kept for the next sweep
+    replays[:] = []
+    ev.main(argv + ["--budgets", "160"])
+    assert replays == [(160, 16)] * 3 and not list(refs_home.glob("*"))  # the last one without the flag
+    assert [(r["policy"], r["buffer"]) for r in R.read_rows(tmp_path / "a.json")] == [("full", None), ("snapkv", 32), ("snapkv", 16)]
+
+
 def test_fidelity_resumes_per_trace(tiny_lab, tmp_path, monkeypatch, refs_home):
     """A fidelity sweep killed in its second trace of snapkv and rerun replays only snapkv's last two traces: the full
     cache's logits wait on disk (bf16-exact or fp32, as computed), so it is not replayed again; the row is the one an

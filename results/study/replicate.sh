@@ -37,14 +37,24 @@ CURVE="$Q15 --data results/study/gsm8k_fit144.jsonl --n 100 --buffer 16 --max-ne
 LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 4096 --n 12
       --out results/study/longfid_q15.json"
 
-# The order, as run from the second sitting on (the first ran MATH's full and snapkv rows and the long traces): one
-# policy per step, the claims with the largest effects on the 1.5B first (the adversary's collapse, random against
-# the scorers, the reserve), so that a cut leaves whole comparisons.
+# The order, as run from the fifth sitting on (the first ran MATH's full and snapkv rows and the long traces; the
+# second to fourth one accuracy policy per step, the claims with the largest effects on the 1.5B first). Lane A holds
+# the accuracy sweeps of the 1.5B, lane B the long-trace fidelity, whose steps share the full cache's logits on disk
+# (--keep-refs: 12 reference replays, about 50 min, done once; the last step without the flag removes them): first the
+# policies that the replication table's claims compare, then EPIKV at its authors' window, every other policy at
+# K = 512, the K = 256 runs. What comes last in each lane is what the issue cuts first. A lane that runs out of work
+# takes the other's tail from its end (the same --out, under its lock; a job saved meanwhile is skipped).
+CLAIMS=snapkv,random,vase,vase-adversary,criticalkv,epikv
+REST=streaming,h2o,rkv,vase-dkv,vase-topk,vase-noreserve,epikv-band,epikv-lag
+NOPROTECT=snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv
+reverse() { echo "$1" | tr , '\n' | tac | paste -sd,; }
 if [ "$lane" = A ]; then
   for p in vase-adversary random vase criticalkv; do step python eval.py accuracy --policies $p $MATH; done
   step python eval.py accuracy --policies snapkv,vase --budgets 160,192 $CURVE
   step python eval.py accuracy --policies random,criticalkv --budgets 160,192 $CURVE
   step python eval.py accuracy --policies snapkv,vase,random,criticalkv --budgets 256 $CURVE
+  step python eval.py fidelity --policies "$(reverse $REST)" --budgets 512 --buffer 64 $LONG --keep-refs
+  step python eval.py accuracy --policies "$(reverse $NOPROTECT)" $G05 --no-protect-prompt
 else
   [ -f results/study/long_pool.jsonl ] || { cat data/aime2024.jsonl; python -c "import json, sys
 sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['level'] == 5)"; } \
@@ -52,9 +62,9 @@ sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['le
   for p in snapkv,vase-adversary random vase criticalkv vase-noreserve; do
     step python eval.py accuracy --policies $p $G05 --protect-prompt
   done
-  step python eval.py fidelity --policies all --budgets 512 --buffer 64 $LONG  # the traces are made here, once
-  step python eval.py fidelity --policies epikv,epikv-band,epikv-lag --budgets 512 --buffer 128 $LONG  # authors' r
-  step python eval.py accuracy --policies snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv $G05 \
-    --no-protect-prompt
+  step python eval.py fidelity --policies $CLAIMS --budgets 512 --buffer 64 $LONG --keep-refs  # traces made once
+  step python eval.py fidelity --policies epikv,epikv-band,epikv-lag --budgets 512 --buffer 128 $LONG --keep-refs
+  step python eval.py fidelity --policies $REST --budgets 512 --buffer 64 $LONG --keep-refs
   step python eval.py fidelity --policies snapkv,vase,random,criticalkv --budgets 256 --buffer 64 $LONG
+  step python eval.py accuracy --policies $NOPROTECT $G05 --no-protect-prompt
 fi
