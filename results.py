@@ -169,6 +169,9 @@ def write_json(path: Path, obj):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        mask = os.umask(0o022)  # the umask is read by setting it,
+        os.umask(mask)  # and put back
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's file is 0600: a result is as readable as any file open() makes
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(obj, indent=1))
             f.flush()

@@ -2169,6 +2169,22 @@ def test_unwritable_out_is_one_line(tmp_path, capsys, monkeypatch):
     assert [r["i"] for r in json.loads(out.read_text())] == [0, 1] and not list(tmp_path.glob("*.tmp"))
 
 
+
+def test_written_rows_are_as_readable_as_any_file(tmp_path):
+    """A result file gets the mode open() gives a new file under the user's umask (mkstemp's own 0600 would hide a
+    sweep's rows from the other users of a shared machine), and keeps it when rewritten."""
+    out, plain = tmp_path / "rows.json", tmp_path / "plain"
+    old = os.umask(0o027)
+    try:
+        R.write_json(out, [1])
+        R.write_json(out, [1, 2])
+        plain.write_text("")
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == (plain.stat().st_mode & 0o777) == 0o640
+    assert json.loads(out.read_text()) == [1, 2]
+
+
 BAD_EVAL = [
     (["fidelity", "--data", "/nonexistent.jsonl"], "does not exist"),
     (["fidelity", "--policies", ""], "--policies is empty"),

@@ -42,19 +42,26 @@ LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 409
 # the accuracy sweeps of the 1.5B, lane B the long-trace fidelity, whose steps share the full cache's logits on disk
 # (--keep-refs: 12 reference replays, about 50 min, done once; the last step without the flag removes them): first the
 # policies that the replication table's claims compare, then EPIKV at its authors' window, every other policy at
-# K = 512, the K = 256 runs. What comes last in each lane is what the issue cuts first. A lane that runs out of work
-# takes the other's tail from its end (the same --out, under its lock; a job saved meanwhile is skipped).
+# K = 512. What comes last in each lane is what the issue cuts first.
 CLAIMS=snapkv,random,vase,vase-adversary,criticalkv,epikv
 REST=streaming,h2o,rkv,vase-dkv,vase-topk,vase-noreserve,epikv-band,epikv-lag
 NOPROTECT=snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv
 reverse() { echo "$1" | tr , '\n' | tac | paste -sd,; }
+# Both lanes end on the issue's cut list, the last cut first: the long traces at K = 256, the 0.5B's unprotected
+# half, claim 3's looser budget; lane A takes each list from its other end, and keeps the references (lane B's
+# K = 256 step, without --keep-refs, removes them when its sweep is whole).
+cuts() {
+  local order=echo keep=; [ "$1" = A ] && { order=reverse; keep=--keep-refs; }
+  step python eval.py fidelity --policies "$($order snapkv,vase,random,criticalkv)" --budgets 256 --buffer 64 $LONG $keep
+  step python eval.py accuracy --policies "$($order $NOPROTECT)" $G05 --no-protect-prompt
+  step python eval.py accuracy --policies "$($order snapkv,vase,random,criticalkv)" --budgets 256 $CURVE
+}
 if [ "$lane" = A ]; then
   for p in vase-adversary random vase criticalkv; do step python eval.py accuracy --policies $p $MATH; done
   step python eval.py accuracy --policies snapkv,vase --budgets 160,192 $CURVE
   step python eval.py accuracy --policies random,criticalkv --budgets 160,192 $CURVE
-  step python eval.py accuracy --policies snapkv,vase,random,criticalkv --budgets 256 $CURVE
   step python eval.py fidelity --policies "$(reverse $REST)" --budgets 512 --buffer 64 $LONG --keep-refs
-  step python eval.py accuracy --policies "$(reverse $NOPROTECT)" $G05 --no-protect-prompt
+  cuts A
 else
   [ -f results/study/long_pool.jsonl ] || { cat data/aime2024.jsonl; python -c "import json, sys
 sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['level'] == 5)"; } \
@@ -65,6 +72,5 @@ sys.stdout.writelines(l for l in open('data/math500.jsonl') if json.loads(l)['le
   step python eval.py fidelity --policies $CLAIMS --budgets 512 --buffer 64 $LONG --keep-refs  # traces made once
   step python eval.py fidelity --policies epikv,epikv-band,epikv-lag --budgets 512 --buffer 128 $LONG --keep-refs
   step python eval.py fidelity --policies $REST --budgets 512 --buffer 64 $LONG --keep-refs
-  step python eval.py fidelity --policies snapkv,vase,random,criticalkv --budgets 256 --buffer 64 $LONG
-  step python eval.py accuracy --policies $NOPROTECT $G05 --no-protect-prompt
+  cuts B
 fi
