@@ -2169,7 +2169,6 @@ def test_unwritable_out_is_one_line(tmp_path, capsys, monkeypatch):
     assert [r["i"] for r in json.loads(out.read_text())] == [0, 1] and not list(tmp_path.glob("*.tmp"))
 
 
-
 def test_written_rows_are_as_readable_as_any_file(tmp_path):
     """A result file gets the mode open() gives a new file under the user's umask (mkstemp's own 0600 would hide a
     sweep's rows from the other users of a shared machine), and keeps it when rewritten."""
