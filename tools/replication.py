@@ -136,7 +136,8 @@ def claims(acc: dict, fid: dict, K, Kf: list) -> dict:
             *kl("vase-adversary", "vase", "above")],
         "VASE 2: the reserve and sampling beat attention top-k": [
             acc_cell(acc, P("vase"), P("snapkv"), "above"), acc_cell(acc, P("vase"), P("vase-noreserve"), "above"),
-            *kl("vase", "snapkv", "below")],
+            *kl("vase", "snapkv", "below"), *kl("vase", "vase-noreserve", "below"),  # the reserve, by fidelity
+            *kl("vase", "vase-topk", "below")],  # the sampled fill against a top-k fill
         "CriticalKV: value-aware stage 2 improves on SnapKV": [acc_cell(acc, P("criticalkv"), P("snapkv"), "above"),
                                                                 *kl("criticalkv", "snapkv", "below")],
         "EPIKV: residual movement matches attention scorers": epikv,
