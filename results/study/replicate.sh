@@ -10,8 +10,8 @@
 # so its full-cache row is computed once; protected and unprotected rows share a file, and with it that row. Every
 # command resumes where it stopped (an accuracy job's finished batches are in its .progress file). The steps run in
 # the order of what matters most, so that lanes stopped early have run the most important: what comes last is cut
-# first (claim 3's looser budget, the 0.5B's unprotected half, the long-trace K = 256 runs). Each step's start and end
-# go to results/study/replicate.log.
+# first (claim 3's looser budget, the 0.5B's unprotected half, the long-trace runs at the tighter budget). Each step's
+# start and end go to results/study/replicate.log.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 lane=$1
@@ -47,12 +47,14 @@ CLAIMS=snapkv,random,vase,vase-adversary,criticalkv,epikv
 REST=streaming,h2o,rkv,vase-dkv,vase-topk,vase-noreserve,epikv-band,epikv-lag
 NOPROTECT=snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv
 reverse() { echo "$1" | tr , '\n' | tac | paste -sd,; }
-# Both lanes end on the issue's cut list, the last cut first: the long traces at K = 256, the 0.5B's unprotected
-# half, claim 3's looser budget; lane A takes each list from its other end, and keeps the references (lane B's
-# K = 256 step, without --keep-refs, removes them when its sweep is whole).
+# Both lanes end on the issue's cut list, the last cut first: the long traces at the tighter budget, the 0.5B's
+# unprotected half, claim 3's looser budget; lane A takes each list from its other end, and keeps the references (lane
+# B's tighter-budget step, without --keep-refs, removes them when its sweep is whole). The tighter budget is K = 288,
+# not the issue's 256: random protects the prompt, and the longest of the 12 (220 tokens) and the window (64) need
+# K >= 284; all four policies share it, so that they pair at one budget.
 cuts() {
   local order=echo keep=; [ "$1" = A ] && { order=reverse; keep=--keep-refs; }
-  step python eval.py fidelity --policies "$($order snapkv,vase,random,criticalkv)" --budgets 256 --buffer 64 $LONG $keep
+  step python eval.py fidelity --policies "$($order snapkv,vase,random,criticalkv)" --budgets 288 --buffer 64 $LONG $keep
   step python eval.py accuracy --policies "$($order $NOPROTECT)" $G05 --no-protect-prompt
   step python eval.py accuracy --policies "$($order snapkv,vase,random,criticalkv)" --budgets 256 $CURVE
 }
