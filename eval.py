@@ -407,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE", help="result files of eval.py (their --out) and maps of "
                    "generate.py --kept-json")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs (created if missing)")
+    p.add_argument("--budgets", help="comma list of K: draw only the rows at these budgets (and the full cache's), "
+                   "e.g. one budget of a sweep as a row per policy")
     return ap
 
 
@@ -418,7 +420,8 @@ def main(argv=None):
         if args.cmd == "plot":
             import plot  # matplotlib: imported by this subcommand only
 
-            return print("\n".join(map(str, plot.draw(args.files, args.out))))
+            budgets = int_list("--budgets", args.budgets) if args.budgets else None
+            return print("\n".join(map(str, plot.draw(args.files, args.out, budgets))))
         where, lab = result_file(args.out, args.shard), {}
         if where:
             check_writable(where)  # before the model loads and the first job runs

@@ -4,7 +4,7 @@ Figures of eval.py's result files, for people who would rather look than read (`
 - fidelity.png: KL(full || policy) against the budget K, one line per policy; accuracy.png likewise for accuracy.
   Error bars are the paired bootstrap 95 % interval against the full cache on the same items (stats.bootstrap_diff):
   over traces for KL (the full cache's KL is 0 on every trace), over problems for accuracy. Rows at a single budget
-  (a claims sweep) draw a row per line instead, sorted, against a dashed full cache.
+  (a claims sweep, or the one kept by --budgets K) draw a row per line instead, sorted, against a dashed full cache.
 - bench.png: eviction cost (ms per round) and decode cost (ms per step) against the context, one line per policy.
 - kept-POLICY-layerL.png: what one layer kept (`generate.py --kept-json`), KV heads x positions, shaded by the share
   of each column's positions still held, with the prompt, the trace and the recent buffer marked.
@@ -161,13 +161,17 @@ def kept_image(m: dict, columns: int = 160) -> tuple[list[list[float]], int]:
 # drawing
 
 
-def draw(paths: list[str], out: str) -> list[Path]:
-    """Every figure the files hold, written into out as PNGs; returns their paths."""
+def draw(paths: list[str], out: str, budgets: list[int] | None = None) -> list[Path]:
+    """Every figure the files hold, written into out as PNGs; returns their paths. budgets: draw only the rows at
+    these K (the full cache's too, which has none), e.g. one budget of a sweep, as a row per line."""
     rows, maps = read(paths)
+    if budgets:
+        rows = [r for r in rows if r["budget"] is None or r["budget"] in budgets]
     lines = {task: budget_series(rows, task) for task in ("fidelity", "accuracy")}
     bench = bench_series(rows)
     if not any(lines.values()) and not bench and not maps:
-        raise UsageError(f"nothing to draw in {', '.join(paths)}: plot draws fidelity, accuracy and bench rows of "
+        at = f" at --budgets {','.join(map(str, budgets))}" if budgets else ""
+        raise UsageError(f"nothing to draw in {', '.join(paths)}{at}: plot draws fidelity, accuracy and bench rows of "
                          "eval.py (beyond the full cache's), and maps of generate.py --kept-json")
     plt = pyplot()
     out = Path(out)

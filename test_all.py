@@ -2739,7 +2739,8 @@ def test_plot_series_are_the_paired_intervals():
 
 
 def test_plot_one_budget_is_a_row_per_line(tmp_path, capsys):
-    """Rows at a single budget (a claims sweep) draw one row per line, sorted by value, not points stacked on one K."""
+    """Rows at a single budget (a claims sweep, or one budget kept by --budgets) draw one row per line, sorted by
+    value, not points stacked on one K."""
     import plot
     from PIL import Image
 
@@ -2751,6 +2752,13 @@ def test_plot_one_budget_is_a_row_per_line(tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(tmp_path / "figs" / n) for n in ("fidelity.png", "accuracy.png")]
     with Image.open(tmp_path / "figs" / "fidelity.png") as im:
         assert im.height < im.width / 2  # two lines: a short figure of two rows
+    both = tmp_path / "both.json"  # snapkv at K = 64 and 128: a line chart, unless --budgets keeps one
+    both.write_text(json.dumps([r for r in plot_rows() if r["task"] != "bench"]))
+    ev.main(["plot", str(both), "--out", str(tmp_path / "one"), "--budgets", "128"])
+    with Image.open(tmp_path / "one" / "fidelity.png") as im:
+        assert im.height < im.width / 3  # snapkv's one row at K = 128
+    with pytest.raises(cli.UsageError, match=r"nothing to draw in .* at --budgets 32"):
+        plot.draw([str(both)], str(tmp_path / "one"), [32])
     plt = plot.pyplot()
     series = plot.budget_series(rows, "fidelity")
     fig = plot.forest(plt, "fidelity", series, plot.style(list(series), plt), "KL", 64, 0.0)
