@@ -171,8 +171,8 @@ def draw(paths: list[str], out: str, budgets: list[int] | None = None) -> list[P
     bench = bench_series(rows)
     if not any(lines.values()) and not bench and not maps:
         at = f" at --budgets {','.join(map(str, budgets))}" if budgets else ""
-        raise UsageError(f"nothing to draw in {', '.join(paths)}{at}: plot draws fidelity, accuracy and bench rows of "
-                         "eval.py (beyond the full cache's), and maps of generate.py --kept-json")
+        raise UsageError(f"nothing to draw in {', '.join(paths)}{at}: plot draws fidelity, accuracy and bench rows "
+                         "of eval.py (beyond the full cache's), and maps of generate.py --kept-json")
     plt = pyplot()
     out = Path(out)
     try:
