@@ -168,7 +168,7 @@ def main(argv=None):
             "0.5B, GSM8K (int4, K = 208)": (accuracy_rows([d / "claims_q05.json"]), {}, 208, []),
             "1.5B, MATH-500 (int4, K = 416)": (accuracy_rows([d / "math_q15.json"]), {}, 416, []),
             "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"]), None,
-                                             [(512, 64), (256, 64)]),
+                                             [(512, 64), (288, 64)]),  # 288: random's longest prompt fits (220)
         }
         curve = accuracy_rows([d / "curve_q15.json"])
     except UsageError as e:
