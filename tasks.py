@@ -1,20 +1,25 @@
 """
 What eval.py's sweeps read and how they judge an answer: the jsonl datasets in data/ (GSM8K, MATH-500,
-AIME 2024), answer extraction and light normalisation (conventions in data/README.md), and the loop
-detector for free generation. Left out: model-judged equivalence and symbolic (sympy) comparison.
+AIME 2024), answer extraction, grading, and the loop detector for free generation. MATH and AIME answers are
+compared by math-verify (https://github.com/huggingface/Math-Verify), the symbolic grader the field scores these sets
+with; nanokv extracts the answer (the last \\boxed{}) itself. Left out: model-judged equivalence.
 """
 
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
+
+from math_verify import parse as mv_parse, verify as mv_verify
 
 from generate import UsageError
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
 # in every accuracy row's key, per kind of answer; raise one when what counts as correct for it changes (2: cut-off
-# answers need a box; MATH 3: \sqrt2 = \sqrt{2}, 'x = 5' = '5'). tools/regrade.py regrades old rows from their answers.
-GRADING = {"gsm8k": 2, "math": 3}
+# answers need a box; MATH 3: \sqrt2 = \sqrt{2}, 'x = 5' = '5'; MATH 4: math-verify). tools/regrade.py regrades old
+# rows from their answers.
+GRADING = {"gsm8k": 2, "math": 4}
 
 
 def grading(rows: list[dict]) -> int:
@@ -73,7 +78,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def normalise(s: str) -> str:
-    """Light MATH normalisation: '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90',
+    """Light LaTeX normalisation, before a GSM8K box is read as a number (MATH's answers go to math-verify as they are):
+    '\\left( 3, \\dfrac{\\pi}{2} \\right)' -> '(3,\\pi/2)', '90^\\circ' -> '90',
     '11\\sqrt2' -> '11\\sqrt{2}'."""
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
     s = re.sub(r"\\(?:left|right)\b", "", s)
@@ -106,16 +112,25 @@ def extract_answer(text: str, gsm8k: bool, stop: str) -> str | None:
 
 
 def is_correct(pred: str | None, answer: str) -> bool:
-    """answer is the dataset's field: GSM8K's full solution ending in '#### 18', or MATH's LaTeX."""
+    """answer is the dataset's field: GSM8K's full solution ending in '#### 18' (compared as numbers), or MATH's and
+    AIME's LaTeX (compared by math-verify)."""
     if pred is None:
         return False
     if "####" in answer:
         gold, got = as_number(answer.split("####")[-1]), as_number(normalise(pred))
         return gold is not None and got is not None and abs(gold - got) < 1e-6
-    bare = lambda t: re.sub(r"^[A-Za-z]\w?=(?!=)", "", t)  # 'x=5' -> '5', as the MATH grader drops a short name
-    a, b = bare(normalise(pred)), bare(normalise(answer))
-    x, y = as_number(a), as_number(b)
-    return a == b or (x is not None and y is not None and abs(x - y) < 1e-6)
+    return math_equal(pred, answer)
+
+
+def math_equal(pred: str, answer: str) -> bool:
+    """math-verify's verdict on two LaTeX answers, gold first (its comparison is not symmetric: a gold interval or set
+    decides how the prediction is read). e.g. '52' = '52_8' (a base given as asked), '7i - 2' = '-2 + 7i',
+    '\\frac{1}{\\tan x}' = '\\cot x', '\\sqrt{117}' = '3\\sqrt{13}', 'x = 5' = '5'; '53' != '52_8', '[1,2)' != '[1,2]'."""
+    # note: its time limits use signal.alarm, which only the main thread may set; elsewhere we run without one
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = mv_parse(f"${answer}$", parsing_timeout=limit)
+    got = mv_parse(f"${pred}$", parsing_timeout=limit)
+    return bool(gold and got) and mv_verify(gold, got, timeout_seconds=limit)
 
 
 # -----------------------------------------------------------------------------
