@@ -338,7 +338,14 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
         raise UsageError(f"shard files of {' and '.join(map(str, counts))} shards beside {out}: move the stale set "
                          "away, then merge again")
     n = counts[0]
-    shards = {i: read_shard(f) for (i, _), f in sorted(found.items())}
+    taken = lambda: UsageError(f"another merge took these shards: their files beside {out} went while this merge "
+                               f"read them, and their rows are in {out}; nothing is left to merge")
+    try:
+        shards = {i: read_shard(f) for (i, _), f in sorted(found.items())}
+    except UsageError:
+        if all(f.exists() for f in found.values()):
+            raise
+        raise taken() from None
     first = min(shards)
     jobs, owner = shards[first]["jobs"], shards[first]["plan"]
     for i, s in shards.items():
@@ -368,11 +375,13 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
         say = lambda s: f"shard {s}/{n}" + ("" if s in shards else f" never ran (no {result_file(out, (s, n)).name})")
         raise UsageError(f"{sum(map(len, missing.values()))} of {len(jobs)} rows missing: " + "; ".join(
             f"{say(s)}: {', '.join(m)}" for s, m in sorted(missing.items())) + ". Rerun those shards, then merge again")
-    with locked(path):  # another sweep may share out on this machine
+    with locked(path):  # another sweep may share out on this machine, and another merge may have run meanwhile
+        if not all(f.exists() for f in found.values()):
+            raise taken()
         have = read_rows(path)
         new = [row for k, (_, row) in sorted(where.items()) if not any(same(jobs[k], r) for r in have)]
         write_json(path, have + new)
-    for f in found.values():
-        f.unlink()
+        for f in found.values():  # under the lock: a second merge waiting for it then finds them gone
+            f.unlink()
     rows = read_rows(path)
     return jobs, [next(r for r in rows if same(j, r)) for j in jobs]
