@@ -16,8 +16,10 @@
 #   - logs: results/logs/JOBNAME-JOBID_TASK.out (JOBNAME-JOBID.out for jobs 1 and 3), appended to, so that a task
 #     that is run again (scontrol requeue) keeps its first try's log.
 #   - resources of jobs 1 and 2: $NANOKV_SBATCH, default "--cpus-per-task=4 --time=4:00:00" (on a GPU:
-#     "--gres=gpu:1 --time=4:00:00"); Slurm's own SBATCH_PARTITION, SBATCH_ACCOUNT, ... reach all three jobs.
-#   - threads: OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS = the task's CPUs (1 where --cpus-per-task is not given).
+#     "--gres=gpu:1 --time=4:00:00"; empty: none); Slurm's own SBATCH_PARTITION, SBATCH_ACCOUNT, ... reach all
+#     three jobs.
+#   - threads: OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS = the task's CPUs (1 where --cpus-per-task is not given);
+#     each job's log opens with them, its host and its python.
 # Only some tasks: NANOKV_ARRAY=3,5 (an --array list) submits jobs 1 to 3 with only tasks 3 and 5 of the N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,16 +35,17 @@ done
 [ -n "$out" ] || die "tools/slurm_sweep.sh needs --out FILE among the eval.py arguments: the shards write beside it"
 command -v sbatch >/dev/null || die "sbatch not found: run this on a Slurm login node (or tools/slurm_local.sh" \
     "makes this machine a one-node cluster)"
-py=${NANOKV_PYTHON:-$(command -v python || command -v python3 || true)}
-[ -n "$py" ] && py=$(realpath "$py")
-"${py:-false}" -c "import torch" 2>/dev/null || die "${py:-no python} cannot import torch: activate the environment" \
-    "you installed nanokv into, or set NANOKV_PYTHON=/path/to/venv/bin/python"
+given=${NANOKV_PYTHON:-$(command -v python || command -v python3 || echo python)}
+# its sys.executable: a full path that stays in its venv (realpath would leave it for the base interpreter)
+py=$("$given" -c "import sys, torch; print(sys.executable)" 2>/dev/null) || die "$given cannot import torch: activate" \
+    "the environment you installed nanokv into, or set NANOKV_PYTHON=/path/to/venv/bin/python"
 mkdir -p results/logs  # Slurm does not create the folder of --output: a job whose log cannot be opened fails unseen
 name=$(basename "$out" .json)
 args=$(printf ' %q' "$@")
-env="export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=\${SLURM_CPUS_PER_TASK:-1};"
+env="export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=\${SLURM_CPUS_PER_TASK:-1};
+echo \"\$(hostname): OMP_NUM_THREADS=\$OMP_NUM_THREADS OPENBLAS_NUM_THREADS=\$OPENBLAS_NUM_THREADS\" $(printf %q "$py");"
 submit() { sbatch --parsable --chdir="$PWD" --open-mode=append "$@"; }  # prints the job id
-read -ra res <<<"${NANOKV_SBATCH:---cpus-per-task=4 --time=4:00:00}"
+read -ra res <<<"${NANOKV_SBATCH---cpus-per-task=4 --time=4:00:00}"  # set but empty: no options
 
 after=()
 if [ "$sub" = fidelity ]; then
