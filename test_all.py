@@ -3673,9 +3673,10 @@ def slurm_wait(ids: dict[str, str]) -> str:
 
 def test_slurm_recipe_merges_to_the_unsharded_rows(tiny_lab, tmp_path):
     """docs/SWEEPS.md's recipe (tools/slurm_sweep.sh) on a real Slurm, submitted from another folder with only /bin
-    and sbatch's on PATH: the full-cache job, two array tasks and the merge give exactly the unsharded run's rows (at
-    the jobs' threads), with their logs in results/logs. A task that fails leaves the merge stuck; the documented way out (scancel it, fix, resubmit that
-    task) finishes the sweep. Skipped where sbatch is absent, except under CI=true (.ci/run starts a one-node Slurm)."""
+    and sbatch's on PATH: the full-cache job (which alone generates the traces), two array tasks and the merge give
+    exactly the unsharded run's rows (at the jobs' threads), with their logs in results/logs. A task that fails
+    leaves the merge stuck; the documented way out (scancel it, fix, resubmit that task) finishes the sweep.
+    Skipped where sbatch is absent, except under CI=true (.ci/run starts a one-node Slurm)."""
     if not shutil.which("sbatch"):
         why = "sbatch not found: `sudo tools/slurm_local.sh` makes this machine a one-node Slurm cluster"
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
@@ -3700,6 +3701,8 @@ def test_slurm_recipe_merges_to_the_unsharded_rows(tiny_lab, tmp_path):
         assert slurm_wait(first) == "stuck"  # afterok: the merge waits for ever
         shard2 = open(os.path.join(logs, f"sharded-shard-{first['shards']}_2.out")).read()
         assert "is a directory" in shard2 and "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 " in shard2, shard2
+        gen = lambda log: "traces (full cache, greedy)" in open(os.path.join(logs, log)).read()
+        assert gen(f"sharded-full-{first['full cache']}.out") and not gen(f"sharded-shard-{first['shards']}_1.out")
         subprocess.run(["scancel", first["merge"]], check=True)
         (tmp_path / "sharded.shard-2-of-2.json").rmdir()
         r = sweep(NANOKV_ARRAY="2")  # only the failed task, and a new merge
@@ -3717,3 +3720,15 @@ def test_slurm_recipe_merges_to_the_unsharded_rows(tiny_lab, tmp_path):
             if re.fullmatch(r"sharded-(full|shard|merge)-(\d+)(_\d+)?\.out", f) and \
                     re.fullmatch(r"sharded-\w+-(\d+).*", f)[1] in [*first.values(), *again.values()]:
                 os.remove(os.path.join(logs, f))
+
+
+def test_shell_loop_recipe_merges_only_when_every_worker_succeeded(tmp_path):
+    """docs/SWEEPS.md's shell loop, run as the doc shows it (python a shell function here: worker 2 exits 3, or
+    not): it waits on each worker, names the failed one and does not merge; with every worker done, it merges."""
+    doc = open(os.path.join(HERE, "docs", "SWEEPS.md"), encoding="utf-8").read()
+    loop = re.search(r"```bash\n(N=\d+ pids=\(\).*?)```", doc, re.S)[1]
+    fake = 'python() { case "$*" in *merge*) echo MERGED ;; *"--shard 2/"*) [ -z "$FAIL" ] ;; esac; }\n'
+    run = lambda fail: subprocess.run(["bash", "-c", fake + loop], cwd=tmp_path, env={**os.environ, "FAIL": fail},
+                                      capture_output=True, text=True, timeout=HANG).stdout
+    assert run("1").startswith("shards 2 failed: see results/logs/accuracy.I.log") and "MERGED" not in run("1")
+    assert run("") == "MERGED\n"

@@ -43,7 +43,7 @@ mkdir -p results/logs  # Slurm does not create the folder of --output: a job who
 name=$(basename "$out" .json)
 args=$(printf ' %q' "$@")
 env="export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=\${SLURM_CPUS_PER_TASK:-1};
-echo \"\$(hostname): OMP_NUM_THREADS=\$OMP_NUM_THREADS OPENBLAS_NUM_THREADS=\$OPENBLAS_NUM_THREADS\" $(printf %q "$py");"
+echo \"\$(hostname): OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=\$OPENBLAS_NUM_THREADS\" $(printf %q "$py");"
 submit() { sbatch --parsable --chdir="$PWD" --open-mode=append "$@"; }  # prints the job id
 read -ra res <<<"${NANOKV_SBATCH---cpus-per-task=4 --time=4:00:00}"  # set but empty: no options
 
