@@ -6,8 +6,9 @@ Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N sli
 expected cost) and writes a file of its own beside --out, which no other process writes, so no lock is needed and the
 files may sit on NFS; `python eval.py merge --out FILE` checks that every job is there exactly once and folds them into
 FILE. Every write goes to a temporary file that is then renamed over the target: a reader never sees half a file, and a
-failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array
-or a shell loop runs the shards), and locks across machines (flock is local: share one --out on one machine only).
+failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array,
+tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machines (flock is local: share one --out on
+one machine only; two merges at once on one machine are safe: the second finds the shards taken).
 """
 
 import argparse
@@ -382,6 +383,6 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
         new = [row for k, (_, row) in sorted(where.items()) if not any(same(jobs[k], r) for r in have)]
         write_json(path, have + new)
         for f in found.values():  # under the lock: a second merge waiting for it then finds them gone
-            f.unlink()
+            f.unlink(missing_ok=True)
     rows = read_rows(path)
     return jobs, [next(r for r in rows if same(j, r)) for j in jobs]
