@@ -330,10 +330,12 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
     path = Path(out)
     pattern = re.compile(re.escape(path.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(path.suffix))
     found = {(int(m[1]), int(m[2])): f for f in sorted(path.parent.glob("*")) if (m := pattern.fullmatch(f.name))}
-    if not found:
+    if not found:  # never run, or another merge took them (it removes the files it folds in): say both
+        taken = f"another merge may have taken them ({out} holds {len(read_rows(path))} rows), or " if \
+            path.exists() else ""
         raise UsageError(f"no shard files beside {out} (such as {result_file(out, (1, 2)).name}), so nothing to "
-                         "merge: run the sweep with --shard I/N and the same --out first (a merge removes the files "
-                         "it folds in)")
+                         f"merge: {taken}run the sweep with --shard I/N and the same --out first (a merge removes the "
+                         "files it folds in)")
     counts = sorted({n for _, n in found})
     if len(counts) > 1:
         raise UsageError(f"shard files of {' and '.join(map(str, counts))} shards beside {out}: move the stale set "

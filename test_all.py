@@ -3616,7 +3616,8 @@ from contextlib import contextmanager  # noqa: E402
 
 def test_a_second_merge_at_once_says_another_took_the_shards(tmp_path, capsys, monkeypatch):
     """Two merges of one sweep at once: the one that finds the shard files gone, whether while it reads them or once
-    it holds the lock, says that another merge took them (not a missing file), and --out holds each row once."""
+    it holds the lock, says that another merge took them (not a missing file), and --out holds each row once; one
+    that starts after the other ended says that another merge may have taken them."""
     real_locked, real_read = R.locked, R.read_shard
     out = tmp_path / "a.json"
     fake_sweep(out)
@@ -3631,6 +3632,9 @@ def test_a_second_merge_at_once_says_another_took_the_shards(tmp_path, capsys, m
     monkeypatch.setattr(R, "locked", other_first)
     assert "another merge took these shards" in one_line_exit(ev.main, ["merge", "--out", str(out)], capsys)
     assert len(json.loads(out.read_text())) == 5 and not list(tmp_path.glob("a.shard-*"))  # full + 2 x 2, once
+    monkeypatch.setattr(R, "locked", real_locked)  # a merge that starts after the other ended finds no files
+    assert f"another merge may have taken them ({out} holds 5 rows), or run the sweep" in one_line_exit(
+        ev.main, ["merge", "--out", str(out)], capsys)
     out = tmp_path / "b.json"
     fake_sweep(out)
 
