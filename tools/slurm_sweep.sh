@@ -12,7 +12,8 @@
 # Nothing is taken from the shell by accident:
 #   - python: $NANOKV_PYTHON, else the python on this shell's PATH (a venv's, once activated), as an absolute path;
 #     it must import torch here, or nothing is submitted. The jobs run it by that path, not by their PATH.
-#   - directory: every job runs in this repository (--chdir), wherever you submit from.
+#   - directory: every job runs in this repository (--chdir), wherever you submit from: relative paths in ARGS
+#     (--out, --data, --model) are read from it.
 #   - logs: results/logs/JOBNAME-JOBID_TASK.out (JOBNAME-JOBID.out for jobs 1 and 3), appended to, so that a task
 #     that is run again (scontrol requeue) keeps its first try's log.
 #   - resources of jobs 1 and 2: $NANOKV_SBATCH, default "--cpus-per-task=4 --time=4:00:00" (on a GPU:
