@@ -6,8 +6,9 @@ Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N sli
 expected cost) and writes a file of its own beside --out, which no other process writes, so no lock is needed and the
 files may sit on NFS; `python eval.py merge --out FILE` checks that every job is there exactly once and folds them into
 FILE. Every write goes to a temporary file that is then renamed over the target: a reader never sees half a file, and a
-failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array
-or a shell loop runs the shards), and locks across machines (flock is local: share one --out on one machine only).
+failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array,
+tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machines (flock is local: share one --out on
+one machine only; two merges at once on one machine are safe: the second finds the shards taken).
 """
 
 import argparse
@@ -329,16 +330,25 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
     path = Path(out)
     pattern = re.compile(re.escape(path.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(path.suffix))
     found = {(int(m[1]), int(m[2])): f for f in sorted(path.parent.glob("*")) if (m := pattern.fullmatch(f.name))}
-    if not found:
+    if not found:  # never run, or another merge took them (it removes the files it folds in): say both
+        taken = f"another merge may have taken them ({out} holds {len(read_rows(path))} rows), or " if \
+            path.exists() else ""
         raise UsageError(f"no shard files beside {out} (such as {result_file(out, (1, 2)).name}), so nothing to "
-                         "merge: run the sweep with --shard I/N and the same --out first (a merge removes the files "
-                         "it folds in)")
+                         f"merge: {taken}run the sweep with --shard I/N and the same --out first (a merge removes the "
+                         "files it folds in)")
     counts = sorted({n for _, n in found})
     if len(counts) > 1:
         raise UsageError(f"shard files of {' and '.join(map(str, counts))} shards beside {out}: move the stale set "
                          "away, then merge again")
     n = counts[0]
-    shards = {i: read_shard(f) for (i, _), f in sorted(found.items())}
+    taken = lambda: UsageError(f"another merge took these shards: their files beside {out} went while this merge "
+                               f"read them, and their rows are in {out}; nothing is left to merge")
+    try:
+        shards = {i: read_shard(f) for (i, _), f in sorted(found.items())}
+    except UsageError:
+        if all(f.exists() for f in found.values()):
+            raise
+        raise taken() from None
     first = min(shards)
     jobs, owner = shards[first]["jobs"], shards[first]["plan"]
     for i, s in shards.items():
@@ -368,11 +378,13 @@ def merge(out: str) -> tuple[list[dict], list[dict]]:
         say = lambda s: f"shard {s}/{n}" + ("" if s in shards else f" never ran (no {result_file(out, (s, n)).name})")
         raise UsageError(f"{sum(map(len, missing.values()))} of {len(jobs)} rows missing: " + "; ".join(
             f"{say(s)}: {', '.join(m)}" for s, m in sorted(missing.items())) + ". Rerun those shards, then merge again")
-    with locked(path):  # another sweep may share out on this machine
+    with locked(path):  # another sweep may share out on this machine, and another merge may have run meanwhile
+        if not all(f.exists() for f in found.values()):
+            raise taken()
         have = read_rows(path)
         new = [row for k, (_, row) in sorted(where.items()) if not any(same(jobs[k], r) for r in have)]
         write_json(path, have + new)
-    for f in found.values():
-        f.unlink()
+        for f in found.values():  # under the lock: a second merge waiting for it then finds them gone
+            f.unlink(missing_ok=True)
     rows = read_rows(path)
     return jobs, [next(r for r in rows if same(j, r)) for j in jobs]

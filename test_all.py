@@ -3613,3 +3613,134 @@ def test_holm_and_the_replication_verdicts(tmp_path, capsys):
     assert "cannot be tested here" in out and "vase − snapkv" not in out  # no vase row
     (tmp_path / "claims_q05.json").write_text(json.dumps(rows + [row("vase", range(30), model="other")]))
     assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+
+
+# ---- issue 55: the cluster recipe (docs/SWEEPS.md), tested on a real Slurm ----
+
+import shutil  # noqa: E402  (this section's own imports)
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+
+def test_a_second_merge_at_once_says_another_took_the_shards(tmp_path, capsys, monkeypatch):
+    """Two merges of one sweep at once: the one that finds the shard files gone, whether while it reads them or once
+    it holds the lock, says that another merge took them (not a missing file), and --out holds each row once; one
+    that starts after the other ended says that another merge may have taken them."""
+    real_locked, real_read = R.locked, R.read_shard
+    out = tmp_path / "a.json"
+    fake_sweep(out)
+
+    @contextmanager
+    def other_first(path):  # the other merge takes the lock first and finishes
+        monkeypatch.setattr(R, "locked", real_locked)
+        R.merge(str(out))
+        with real_locked(path):
+            yield
+
+    monkeypatch.setattr(R, "locked", other_first)
+    assert "another merge took these shards" in one_line_exit(ev.main, ["merge", "--out", str(out)], capsys)
+    assert len(json.loads(out.read_text())) == 5 and not list(tmp_path.glob("a.shard-*"))  # full + 2 x 2, once
+    monkeypatch.setattr(R, "locked", real_locked)  # a merge that starts after the other ended finds no files
+    assert f"another merge may have taken them ({out} holds 5 rows), or run the sweep" in one_line_exit(
+        ev.main, ["merge", "--out", str(out)], capsys)
+    out = tmp_path / "b.json"
+    fake_sweep(out)
+
+    def read_then_other(path):  # the other merge runs from start to end while this one reads its first shard
+        s = real_read(path)
+        monkeypatch.setattr(R, "read_shard", real_read)
+        R.merge(str(out))
+        return s
+
+    monkeypatch.setattr(R, "read_shard", read_then_other)
+    assert "another merge took these shards" in one_line_exit(ev.main, ["merge", "--out", str(out)], capsys)
+    assert len(json.loads(out.read_text())) == 5 and not list(tmp_path.glob("b.shard-*"))
+
+
+SLURM_SWEEP = os.path.join(HERE, "tools", "slurm_sweep.sh")  # the recipe docs/SWEEPS.md shows, run as it is
+
+
+def slurm_jobs(submitted: str) -> dict[str, str]:
+    """The job ids tools/slurm_sweep.sh printed: {'full cache': ..., 'shards': ..., 'merge': ...}."""
+    return dict(re.findall(r"^(full cache|shards|merge): (\d+)", submitted, re.M))
+
+
+def slurm_wait(ids: dict[str, str]) -> str:
+    """Poll squeue until none of these jobs is queued ('done'), or one of them waits on a dependency that can never
+    be satisfied ('stuck': a job it waits on failed). Bounded by HANG: past it, the jobs are cancelled and the test
+    fails naming what squeue says, so a broken cluster cannot hang the suite."""
+    end, mine = time.monotonic() + HANG, []
+    while time.monotonic() < end:
+        q = subprocess.run(["squeue", "-h", "-o", "%F|%i|%T|%r"], capture_output=True, text=True)
+        assert q.returncode == 0, f"squeue failed: {q.stderr.strip()}"
+        mine = [line for line in q.stdout.splitlines() if line.split("|")[0] in ids.values()]
+        if not mine:
+            return "done"
+        if any(line.endswith("|DependencyNeverSatisfied") for line in mine):
+            return "stuck"
+        time.sleep(2)
+    subprocess.run(["scancel", *ids.values()])
+    pytest.fail(f"the Slurm jobs {ids} were still queued after {HANG} s and are cancelled; squeue said: {mine}")
+
+
+def test_slurm_recipe_merges_to_the_unsharded_rows(tiny_lab, tmp_path):
+    """docs/SWEEPS.md's recipe (tools/slurm_sweep.sh) on a real Slurm, submitted from another folder with only /bin
+    and sbatch's on PATH: the full-cache job (which alone generates the traces), two array tasks and the merge give
+    exactly the unsharded run's rows (at the jobs' threads), with their logs in results/logs. A task that fails
+    leaves the merge stuck; the documented way out (scancel it, fix, resubmit that task) finishes the sweep.
+    Skipped where sbatch is absent, except under CI=true (.ci/run starts a one-node Slurm)."""
+    if not shutil.which("sbatch"):
+        why = "sbatch not found: `sudo tools/slurm_local.sh` makes this machine a one-node Slurm cluster"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    argv = lab_argv(tiny_lab, "fidelity")
+    one = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # the jobs' threads: the same floats
+    subprocess.run([sys.executable, "eval.py", *argv, "--out", str(tmp_path / "one.json")], cwd=HERE, env=one,
+                   check=True, capture_output=True, timeout=HANG)
+    out = tmp_path / "sharded.json"
+    env = {**os.environ, "PATH": f"{os.path.dirname(shutil.which('sbatch'))}:/bin", "NANOKV_PYTHON": sys.executable,
+           "NANOKV_SBATCH": "--cpus-per-task=1"}
+    sweep = lambda **kw: subprocess.run(["bash", SLURM_SWEEP, "2", *argv, "--out", str(out)], cwd=tmp_path,
+                                        env={**env, **kw}, capture_output=True, text=True, timeout=HANG)
+    r = sweep(NANOKV_PYTHON="/bin/false")  # a python without torch is refused before anything is queued
+    assert r.returncode == 1 and r.stderr.startswith("error: /bin/false cannot import torch: activate the "
+                                                     "environment"), r.stderr
+    (tmp_path / "sharded.shard-2-of-2.json").mkdir()  # shard 2 cannot write its file: task 2 fails
+    r = sweep(NANOKV_SBATCH="")  # no --cpus-per-task, as with a GPU per task
+    first = slurm_jobs(r.stdout)
+    assert r.returncode == 0 and first.keys() == {"full cache", "shards", "merge"}, r.stdout + r.stderr
+    logs, again = os.path.join(HERE, "results", "logs"), {}
+    try:
+        assert slurm_wait(first) == "stuck"  # afterok: the merge waits for ever
+        shard2 = open(os.path.join(logs, f"sharded-shard-{first['shards']}_2.out")).read()
+        assert "is a directory" in shard2 and "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 " in shard2, shard2
+        gen = lambda log: "traces (full cache, greedy)" in open(os.path.join(logs, log)).read()
+        assert gen(f"sharded-full-{first['full cache']}.out") and not gen(f"sharded-shard-{first['shards']}_1.out")
+        subprocess.run(["scancel", first["merge"]], check=True)
+        (tmp_path / "sharded.shard-2-of-2.json").rmdir()
+        r = sweep(NANOKV_ARRAY="2")  # only the failed task, and a new merge
+        again = slurm_jobs(r.stdout)
+        assert r.returncode == 0 and "(tasks 2 of 2)" in r.stdout, r.stdout + r.stderr
+        assert slurm_wait(again) == "done"
+        merged = open(os.path.join(logs, f"sharded-merge-{again['merge']}.out")).read()
+        assert f"merged into {out}" in merged, merged
+        assert json.loads(out.read_text()) == json.loads((tmp_path / "one.json").read_text())
+        assert not list(tmp_path.glob("*.shard-*")) and not list(tmp_path.glob("slurm-*.out"))
+        assert not [f for f in os.listdir(HERE) if f.startswith("slurm-")]  # --output: no logs in the repository
+    finally:  # nothing of this test left queued; its logs only, by their job ids
+        subprocess.run(["scancel", *first.values(), *again.values()], capture_output=True)
+        for f in os.listdir(logs) if os.path.isdir(logs) else []:
+            if re.fullmatch(r"sharded-(full|shard|merge)-(\d+)(_\d+)?\.out", f) and \
+                    re.fullmatch(r"sharded-\w+-(\d+).*", f)[1] in [*first.values(), *again.values()]:
+                os.remove(os.path.join(logs, f))
+
+
+def test_shell_loop_recipe_merges_only_when_every_worker_succeeded(tmp_path):
+    """docs/SWEEPS.md's shell loop, run as the doc shows it (python a shell function here: worker 2 exits 3, or
+    not): it waits on each worker, names the failed one and does not merge; with every worker done, it merges."""
+    doc = open(os.path.join(HERE, "docs", "SWEEPS.md"), encoding="utf-8").read()
+    loop = re.search(r"```bash\n(N=\d+ pids=\(\).*?)```", doc, re.S)[1]
+    fake = 'python() { case "$*" in *merge*) echo MERGED ;; *"--shard 2/"*) [ -z "$FAIL" ] ;; esac; }\n'
+    run = lambda fail: subprocess.run(["bash", "-c", fake + loop], cwd=tmp_path, env={**os.environ, "FAIL": fail},
+                                      capture_output=True, text=True, timeout=HANG).stdout
+    assert run("1").startswith("shards 2 failed: see results/logs/accuracy.I.log") and "MERGED" not in run("1")
+    assert run("") == "MERGED\n"
