@@ -196,7 +196,8 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
         raise ModelError(str(e)) from None
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
-    return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir, thinking)
+    tok = Tokenizer(model_dir, thinking)  # first: a --thinking the template cannot take stops before the weights load
+    return load_model(model_dir, device, dtype, quant), tok
 
 
 def minmax_int4(model: str | None) -> bool:

@@ -434,17 +434,18 @@ def main(argv=None):
 
             budgets = int_list("--budgets", args.budgets) if args.budgets else None
             return print("\n".join(map(str, plot.draw(args.files, args.out, budgets))))
-        args.model = local_model(args.model)  # a Hub id is read from its snapshot: rows are keyed by its files
         where, lab = result_file(args.out, args.shard), {}
         if where:
             check_writable(where)  # before the model loads and the first job runs
         if args.cmd == "bench":
             import bench
 
+            args.model = local_model(args.model)  # a Hub id is read from its snapshot: rows are keyed by its files
             jobs, job_cost = bench.jobs(args), bench.cost
             measure = lambda job: bench.measure(job, args.model)
         else:
             load_data(args.data)  # fail on a bad file before loading the model
+            args.model = local_model(args.model)  # as for bench
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype, args.quant)[0]).type == \
                     "cuda" else 16
