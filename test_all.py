@@ -3848,8 +3848,9 @@ def test_regrade_reads_after_thinking(tmp_path, capsys):
 
 
 def test_generate_marks_where_thinking_ends(tmp_path, capsys):
-    """generate.py on a thinking model prints where each answer's thinking ended (with --compare, both answers'), and
-    the --html page carries the first position after the thinking for the viewer's mark (viewer.view)."""
+    """generate.py on a thinking model prints where each answer's thinking ended (with --compare, both answers'); the
+    --html page carries the first position after a thinking that closed (viewer.view), and in chromium the page draws
+    its mark between </think> and the answer and counts the thinking in the summary."""
     model = think_dir(tmp_path / "r1", R1_TEMPLATE)
     page = tmp_path / "p.html"
     G.main(["--model", model, "--prompt", "2+2?", "--max-new-tokens", "5", "--policy", "streaming", "--budget", "24",
@@ -3865,7 +3866,11 @@ def test_generate_marks_where_thinking_ends(tmp_path, capsys):
     v = viewer.view("full", run, viewer.Recording(run), prompt, ids, tok.token_bytes(prompt + ids),
                     tok.thought(prompt, ids).tokens)
     assert v["think_end"] == len(prompt) + 3 and v["tokens"][v["think_end"] - 1] == "</think>"
-    assert "thinkend" in viewer.TEMPLATE.read_text()
+    page.write_text(viewer.page([v], tiny_model.cfg, len(prompt)), encoding="utf-8")
+    dom = chromium(page.as_uri(), tmp_path, "--dump-dom")  # the mark sits between </think> and the answer's text
+    assert "data-errors" not in Dom(dom).root and "thinking 3 of them" in Dom(dom).text["summary"]
+    assert re.search(r'>&lt;/think&gt;</span><span class="tag thinkend">thinking ends: 3 tokens above</span>'
+                     r'<span class="t[^"]*"[^>]*>c</span>', dom)
 
 
 def test_qwen3_0_6b_config_loads(tmp_path):
