@@ -197,8 +197,8 @@ def decoder(model, o: dict, B: int, steps: int):
     g = torch.Generator().manual_seed(o["seed"])
     fill = C - steps - WARMUP  # positions before the warm-up and the timed window
     ctx = torch.randint(model.cfg.vocab_size, (B, fill), generator=g).to(device)  # [B, T]
-    if run.budget is None:  # the full cache: a prefill up to the window, in chunks (exact) so that a 32k prefill of
-        # 8 rows never holds [8, 32k, intermediate] activations on a GPU
+    if run.budget is None:  # the full cache: a prefill up to the window, in chunks, so that a 32k prefill of 8 rows
+        # never holds [8, 32k, intermediate] activations on a GPU
         for s in range(0, fill, PREFILL_CHUNK):
             logits = feed(model, cache, ctx[:, s : s + PREFILL_CHUNK], run)
     else:  # fill the K + r slots (one eviction round), then jump to the window: it holds the same slots as after a

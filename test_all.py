@@ -3613,12 +3613,12 @@ R1_TEMPLATE = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'user' %
 SPECIAL = ["<eos>", "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>", "<bos>"]
 
 
-def think_dir(path, template=None, seed=0) -> str:
+def think_dir(path, template=None, seed=0, **over) -> str:
     """A tiny random model with a one-character-per-token tokenizer whose <think>, </think> and the templates' turn
     markers are tokens of their own (as in Qwen3's and R1's vocabularies), and the given chat template."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    path = tiny_dir(str(path), seed=seed, vocab_size=128, max_position_embeddings=2048)
+    path = tiny_dir(str(path), seed=seed, **{"vocab_size": 128, "max_position_embeddings": 2048, **over})
     chars = ["<eos>", "\n"] + [chr(c) for c in range(32, 127)]
     tok = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="?"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Split("", "isolated"), decoders.Fuse()
@@ -3665,12 +3665,14 @@ def hub_cache(home, repo: str, snapshots: dict[str, str], refs: dict[str, str]):
 
 
 def test_hub_id_resolves_offline_from_the_cache(tmp_path):
-    """With HF_HUB_OFFLINE=1 and HF_HOME a cache in the library's layout, generate.py runs a model named by its Hub id
-    (the real huggingface_hub resolves refs/main to its snapshot), by id@commit and id@tag (other snapshots); an id
+    """With HF_HUB_OFFLINE=1 and HF_HOME a cache in the library's layout, `generate.py --model ORG/NAME --policy
+    criticalkv` runs a tiny Qwen3 (q/k norms, its template) named by its Hub id, evicting (the real huggingface_hub
+    resolves refs/main to its snapshot), by id@commit and id@tag (other snapshots); an id
     that is not cached, and an architecture nanokv cannot run (refused from config.json alone, no weights cached), are
     one line each."""
     a, b = "a" * 40, "b" * 40
-    one, two = think_dir(tmp_path / "m1", seed=1), think_dir(tmp_path / "m2", seed=2)
+    qwen3 = dict(model_type="qwen3", head_dim=24)  # q/k norms, head_dim apart from hidden_size / heads, as Qwen3's
+    one, two = (think_dir(tmp_path / f"m{n}", QWEN3_TEMPLATE, num_hidden_layers=n, **qwen3) for n in (2, 3))
     gemma = tmp_path / "gemma"
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "hidden_size": 64}))
@@ -3679,13 +3681,14 @@ def test_hub_id_resolves_offline_from_the_cache(tmp_path):
     hub_cache(home, "org/gemma", {a: str(gemma)}, {"main": a})
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     env.pop("HF_HUB_CACHE", None)
-    answers = []
+    answers = []  # the checkpoints differ in depth: 2 layers at commit a (main), 3 at b (tag v2)
     for model in ["org/tiny", f"org/tiny@{b}", "org/tiny@v2", "org/tiny@main"]:
-        p = run_py(["generate.py", "--model", model, "--prompt", "hi", "--max-new-tokens", "6"], env)
+        p = run_py(["generate.py", "--model", model, "--policy", "criticalkv", "--budget", "16", "--buffer", "4",
+                    "--prompt", "hi", "--max-new-tokens", "12"], env)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-1500:]
-        assert f"[hub] {model}" in p.stderr
-        answers.append(p.stdout.splitlines()[0])
-    assert answers[0] == answers[3] and answers[1] == answers[2] and answers[0] != answers[1]  # two checkpoints
+        assert f"[hub] {model}" in p.stderr and re.search(r"\| [1-9]\d* evictions?, ", p.stdout), p.stdout
+        answers.append(re.search(r"\[load\] (\d+) layers", p.stderr)[1])  # which snapshot loaded
+    assert answers == ["2", "3", "3", "2"]
     for model, needle in [("org/missing", "org/missing is not in the Hugging Face cache (" + str(home / "hub") +
                            ") and HF_HUB_OFFLINE=1 is set"),
                           ("org/tiny@nobranch", "not in the Hugging Face cache"),
