@@ -1,7 +1,8 @@
 """
 What every command line of nanokv shares (generate.py, eval.py, bench.py, tools/): the one-line UsageError and
 argparse errors, --device / --dtype / --quant and their resolution, the CPU's units and threads, loading a model by
-name or directory, progress notes on stderr, and one-line exits when writing the output fails.
+name, directory or Hugging Face Hub id (hub.py), progress notes on stderr, and one-line exits when writing the output
+fails.
 
 It sits between the decode loop and the model: generate, eval and bench import it; it imports model, tokenizer
 and policies (for --policies), so any command can fail on a bad setting before a model is loaded.

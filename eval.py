@@ -373,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "then `eval.py merge --out FILE`")
     shared = Parser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
-                        "chat template switch (Qwen3's enable_thinking); answers are graded after </think> (default: "
-                        "the template's own; refused where the template has no such switch to set)")
+                        "chat template switch (Qwen3's enable_thinking), in the rows' key when given; answers are graded after "
+                        "</think> (default: the template's own; --no-thinking is refused where the template has no "
+                        "switch, as R1 distills', either flag where it writes no <think>)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "
