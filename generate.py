@@ -399,9 +399,9 @@ def run_cli(args):
     compare_run(args, 1)
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
+    args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once (--compare --quant loads twice)
     t0 = time.perf_counter()
     note("[load] reading the model ...")
-    args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once (--compare --quant loads twice)
     model, tok = load(args.model, args.device, args.dtype, args.quant, args.thinking)
     cfg = model.cfg
     note(f"[load] {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"

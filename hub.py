@@ -8,6 +8,7 @@ HF_HUB_OFFLINE=1 reads only the cache, HF_TOKEN (or `hf auth login`) opens gated
 the download. Left out: other repository types, PyTorch .bin checkpoints, GGUF repositories.
 """
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -36,6 +37,9 @@ def hub_model_dir(name: str) -> Path:
 
     repo, _, revision = name.partition("@")
     at = f" at revision {revision!r}" if revision else ""
+    log = logging.getLogger("huggingface_hub")  # its retry warnings would come before our one line; put back below
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         config = hf_hub_download(repo, "config.json", revision=revision or None)
         try:
@@ -68,3 +72,5 @@ def hub_model_dir(name: str) -> Path:
     except OSError as e:  # the cache's disk: full, read-only
         raise ModelError(f"could not write {name} into the Hugging Face cache: {e.strerror or e} (set HF_HOME to a "
                          "disk with room)") from None
+    finally:
+        log.setLevel(level)
