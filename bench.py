@@ -34,6 +34,7 @@ from results import model_key
 
 WARMUP = 4  # untimed decode steps before the window: first calls pay for allocations
 SIDE_BLOCKS, SIDE_STEPS = 6, 16  # --side-by-side: turns per decoder, and decode steps per turn
+PREFILL_CHUNK = 4096  # tokens per row fed at once when filling the full cache
 
 
 def add_arguments(ap):
@@ -196,8 +197,10 @@ def decoder(model, o: dict, B: int, steps: int):
     g = torch.Generator().manual_seed(o["seed"])
     fill = C - steps - WARMUP  # positions before the warm-up and the timed window
     ctx = torch.randint(model.cfg.vocab_size, (B, fill), generator=g).to(device)  # [B, T]
-    if run.budget is None:  # the full cache: one prefill up to the window
-        logits = feed(model, cache, ctx, run)
+    if run.budget is None:  # the full cache: a prefill up to the window, in chunks, so that a 32k prefill of 8 rows
+        # never holds [8, 32k, intermediate] activations on a GPU
+        for s in range(0, fill, PREFILL_CHUNK):
+            logits = feed(model, cache, ctx[:, s : s + PREFILL_CHUNK], run)
     else:  # fill the K + r slots (one eviction round), then jump to the window: it holds the same slots as after a
         # replay of every position, only their positions differ (a 32k replay would take minutes on a GPU)
         logits = feed(model, cache, ctx[:, : run.budget + run.buffer], run)

@@ -1,7 +1,8 @@
 """
 What every command line of nanokv shares (generate.py, eval.py, bench.py, tools/): the one-line UsageError and
 argparse errors, --device / --dtype / --quant and their resolution, the CPU's units and threads, loading a model by
-name or directory, progress notes on stderr, and one-line exits when writing the output fails.
+name, directory or Hugging Face Hub id (hub.py), progress notes on stderr, and one-line exits when writing the output
+fails.
 
 It sits between the decode loop and the model: generate, eval and bench import it; it imports model, tokenizer
 and policies (for --policies), so any command can fail on a bad setting before a model is loaded.
@@ -159,12 +160,28 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def load(model_dir, device, dtype, quant: str | None = None):
-    """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
+def local_model(model: str | None) -> str | None:
+    """--model as nanokv reads it: a Hugging Face Hub id (ORG/NAME[@REVISION], hub.py) becomes its snapshot directory
+    in the Hugging Face cache, downloaded on first use; a directory, a bare config.json, a name weights.py knows, or
+    None (the default model) is returned as it is. The one place a Hub id is resolved: the commands call it before they
+    key rows by the model's files (results.model_key), and load() calls it for everyone else."""
+    from hub import hub_model_dir, is_hub_id
+    from weights import MODELS
+
+    if model in MODELS or not is_hub_id(model):
+        return model
+    note(f"[hub] {model}: config, tokenizer and safetensors from the Hugging Face Hub (or its cache)")
+    return str(hub_model_dir(model))
+
+
+def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | None = None):
+    """Model and tokenizer from a directory, a Hub id, or a model weights.py fetches (the embedded default model when
+    model_dir is None). thinking: the chat template's thinking switch (None: the template's default)."""
     from weights import DEFAULT_MODEL, MODELS, SIDE, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
     cpu_threads(device, dtype, quant)
+    model_dir = local_model(model_dir)
     try:  # a name that weights.py knows (and no directory of that name) is its converted directory
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
             name, model_dir = model_dir or DEFAULT_MODEL, named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
@@ -174,12 +191,14 @@ def load(model_dir, device, dtype, quant: str | None = None):
                                  "again)")
         elif not os.path.isdir(model_dir):
             raise ModelError(f"--model {model_dir} does not exist as a directory and is no model weights.py knows: "
-                             f"pass a Hugging Face model directory or one of {', '.join(MODELS)}")
+                             f"pass a Hugging Face model directory, a Hub id (ORG/NAME[@REVISION]) or one of "
+                             f"{', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
-    return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir)
+    tok = Tokenizer(model_dir, thinking)  # first: a --thinking the template cannot take stops before the weights load
+    return load_model(model_dir, device, dtype, quant), tok
 
 
 def minmax_int4(model: str | None) -> bool:

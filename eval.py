@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, made_on, minmax_int4, output_failed,
-                 plain_text, policy_names, resolve_device)
+from cli import (Parser, UsageError, add_device_args, int_list, load, local_model, made_on, minmax_int4,
+                 output_failed, plain_text, policy_names, resolve_device)
 from generate import generate, make_run
 from model import ModelError
 from policies import POLICIES
@@ -47,10 +47,12 @@ def ask(tok, question: str) -> list[int]:
     return tok.encode(tok.chat([{"role": "user", "content": question + ASK}]))
 
 
-def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str, str | None]:
-    """(the generated text, how it stopped: "eos" or "max", the answer the grader extracts) of generated ids."""
+def answer_of(tok, ids: list[int], answer: str, prompt: list[int] = ()) -> tuple[str, str, str | None]:
+    """(the generated text, how it stopped: "eos" or "max", the answer the grader extracts) of generated ids. A thinking
+    model is graded on what follows its </think> (prompt: its ids, whose template may have opened <think>)."""
     text, stop = tok.decode(ids), "eos" if ids[-1] in tok.eos_ids else "max"
-    return text, stop, extract_answer(text, "####" in answer, stop)
+    th = tok.thought(list(prompt), ids)
+    return text, stop, extract_answer(th.answer, "####" in answer, stop, th.closed)
 
 
 # -----------------------------------------------------------------------------
@@ -59,7 +61,7 @@ def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str, str | None]:
 
 def model_of(args, lab: dict):
     if "model" not in lab:
-        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant)
+        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant, args.thinking)
     return lab["model"], lab["tok"]
 
 
@@ -162,16 +164,21 @@ def accuracy(args, job: dict, lab: dict) -> dict:
         kept = kept_share(run)
         outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
         for k, (r, ids) in enumerate(zip(batch, outs)):
-            text, stop, pred = answer_of(tok, ids, r["answer"])
+            text, stop, pred = answer_of(tok, ids, r["answer"], prompts[k])
+            th = tok.thought(prompts[k], ids)  # a thinking model's rows say how long it thought, and if it stopped
+            think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens,
+                     "think_closed": th.closed} if tok.thinks else {}
             done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
                          "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
-                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred,
+                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred, **think,
                          "text_z": pack_text(text), "made_on": where})  # what was graded, and where
         progress.save(per_problem=done)
     mean = lambda field: sum(p[field] for p in done) / len(done)
+    think = {"mean_think_tokens": mean("think_tokens"), "mean_answer_tokens": mean("answer_tokens"),
+             "unclosed": sum(p["think_closed"] is False for p in done) / len(done)} if "think_tokens" in done[0] else {}
     return {"accuracy": mean("correct"), "answered": mean("answered"), "loops": mean("loop"),
             "mean_tokens": mean("tokens"), "mean_evictions": mean("evictions"), "mean_kept": mean("kept"),
-            "max_tokens": max(p["tokens"] for p in done), "per_problem": done}
+            "max_tokens": max(p["tokens"] for p in done), **think, "per_problem": done}
 
 
 def kept_share(run):
@@ -241,8 +248,9 @@ def model_settings(args) -> dict:
     plain = {"template": "none"} if plain_text(args.model) else {}
     quant = {"quant": args.quant} if args.quant else {}
     quant |= {"int4": "minmax"} if args.quant == "int4" and minmax_int4(args.model) else {}  # not a GGUF's own blocks
+    thinking = {"thinking": args.thinking} if args.thinking is not None else {}  # only where given, as --quant
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size, **plain, **quant}
+            "batch_size": args.batch_size, **plain, **quant, **thinking}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
@@ -348,8 +356,9 @@ TASKS = {"fidelity": fidelity, "accuracy": accuracy, "probe": probe, "perturbati
 
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)  # every subcommand, bench included
-    common.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    common.add_argument("--model", default=None, help="Hugging Face model directory, Hub id (ORG/NAME[@REVISION], "
+                        "downloaded once into the Hugging Face cache), or a name weights.py fetches (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
     add_device_args(common)
     common.add_argument("--policies", default="all", help="comma list of policies, or all (every registered one; "
                         "fidelity, accuracy and probe add the full cache as the reference row)")
@@ -363,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the jobs (1 <= I <= N, balanced by expected cost), into a file of its own beside --out; "
                         "then `eval.py merge --out FILE`")
     shared = Parser(add_help=False, parents=[common])  # the measurements on data
+    shared.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
+                        "chat template switch (Qwen3's enable_thinking), in the rows' key when given; answers are graded after "
+                        "</think> (default: the template's own; --no-thinking is refused where the template has no "
+                        "switch, as R1 distills', either flag where it writes no <think>)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "
@@ -428,10 +441,12 @@ def main(argv=None):
         if args.cmd == "bench":
             import bench
 
+            args.model = local_model(args.model)  # a Hub id is read from its snapshot: rows are keyed by its files
             jobs, job_cost = bench.jobs(args), bench.cost
             measure = lambda job: bench.measure(job, args.model)
         else:
             load_data(args.data)  # fail on a bad file before loading the model
+            args.model = local_model(args.model)  # as for bench
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype, args.quant)[0]).type == \
                     "cuda" else 16

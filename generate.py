@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
 from cache import KVCache
-from cli import (Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb,
-                 write_output)
+from cli import (Parser, UsageError, add_device_args, check_output, load, local_model, note, output_failed,
+                 peak_memory_mb, write_output)
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -283,10 +283,15 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(description="Generate with a KV-cache eviction policy and report what it cost.")
-    ap.add_argument("--model", default=None, help="Hugging Face model directory (Llama/Mistral/Qwen2/Qwen3), or a "
-                    "name python weights.py fetches: smollm2-135m (the default), qwen2.5-coder-1.5b, "
+    ap.add_argument("--model", default=None, help="Hugging Face model directory (Llama/Mistral/Qwen2/Qwen3), a Hub id "
+                    "ORG/NAME[@REVISION] (downloaded once into the Hugging Face cache: HF_HOME, HF_HUB_OFFLINE apply), "
+                    "or a name python weights.py fetches: smollm2-135m (the default), qwen2.5-coder-1.5b, "
                     "qwen2.5-coder-0.5b; a named model is fetched on first use")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message, wrapped in the model's chat template")
+    ap.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
+                    "chat template switch (Qwen3's enable_thinking; default: the template's own). --no-thinking is "
+                    "refused where the template has no switch (R1 distills always think), either flag where it writes "
+                    "no <think>")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="stop after this many new tokens (>= 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic); e.g. 0.6")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
@@ -361,6 +366,20 @@ def compare_run(args, prompt_len: int) -> Run | None:
     return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
 
 
+def thinking_note(name: str, th, n: int) -> str:
+    """Where an answer's thinking ended, e.g. '[think] snapkv: thinking 812 tokens, </think> at token 812 of 900'."""
+    if th.closed is None:
+        return f"[think] {name}: no thinking in this answer (the prompt closed it, or the model skipped it)"
+    if not th.closed:
+        return f"[think] {name}: the thinking never closed: all {n} tokens are thinking, so there is no answer"
+    return f"[think] {name}: thinking {th.tokens} tokens, answer {n - th.tokens}: </think> is token {th.tokens} of {n}"
+
+
+def closed_thinking(th) -> int:
+    """The tokens of a thinking that closed, for the page's mark; 0 where none closed (nothing to mark)."""
+    return th.tokens if th.closed else 0
+
+
 def speed(ids: list[int], t: dict) -> str:
     """Decode tokens/s of one answer: the first token comes with the prefill, so it counts the steps after it."""
     return f"{(len(ids) - 1) / t['decode_s']:.1f}" if len(ids) > 1 else "–"
@@ -380,9 +399,10 @@ def run_cli(args):
     compare_run(args, 1)
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
+    args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once (--compare --quant loads twice)
     t0 = time.perf_counter()
     note("[load] reading the model ...")
-    model, tok = load(args.model, args.device, args.dtype, args.quant)
+    model, tok = load(args.model, args.device, args.dtype, args.quant, args.thinking)
     cfg = model.cfg
     note(f"[load] {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
          f"{cfg.num_key_value_heads} heads, {args.quant or 'dense'} weights, {model.model.embed_tokens.weight.dtype} "
@@ -432,9 +452,13 @@ def run_cli(args):
              f"decode {tf['decode_s']:.1f} s, {speed(ref[0], tf)} tok/s")
         print(divergence(tok, ref[0], ids, args.policy, vs=vs + (" fp32" if args.quant else "")))
         views.append((vs, other, other_rec, ref[0]))
+    if tok.thinks:  # where each answer's thinking ended, for a thinking model
+        for name, _, _, out in views:
+            print(thinking_note(name, tok.thought(prompt, out), len(out)))
     if args.html:
         size = write_output("--html", args.html, viewer.page([viewer.view(
-            name, r, rr, prompt, out, tok.token_bytes(prompt + out)) for name, r, rr, out in views], cfg, len(prompt)))
+            name, r, rr, prompt, out, tok.token_bytes(prompt + out), closed_thinking(tok.thought(prompt, out)))
+            for name, r, rr, out in views], cfg, len(prompt)))
         note(f"[html] wrote {args.html} ({size / 1e6:.2f} MB): open it in a browser, no server needed")
     n_ev, ms = run.evictions, run.evict_s * 1e3
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")

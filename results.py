@@ -96,8 +96,10 @@ list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
 maybe = lambda ok: lambda v: v is None or ok(v)
 PROBLEM = {"i": integer, "correct": flag, "answered": flag, "loop": flag, "tokens": integer,
            "stop": lambda v: v in ("eos", "max"), "evictions": integer, "kept": num, "pred": maybe(text)}
-# fields of a problem that rows made before them lack: text_z, the generated text, packed; made_on, the machine
-LATER = {"text_z": text, "made_on": text}
+# fields of a problem that rows made before them lack: text_z, the generated text, packed; made_on, the machine; a
+# thinking model's token counts and whether its thinking closed
+LATER = {"text_z": text, "made_on": text, "think_tokens": integer, "answer_tokens": integer,  # thinking models'
+         "think_closed": maybe(flag)}
 problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
     ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
 TRACE = {"kl": num, "top1": num, "gap": num, "tokens": integer, "evictions": integer, "kept": num}  # fidelity's sums

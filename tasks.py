@@ -99,11 +99,15 @@ def as_number(s: str | None) -> float | None:
         return None
 
 
-def extract_answer(text: str, gsm8k: bool, stop: str) -> str | None:
+def extract_answer(text: str, gsm8k: bool, stop: str, think_closed: bool | None = None) -> str | None:
     """The answer of a generation that stopped on its own end token (stop "eos") or at --max-new-tokens ("max"): the
     last \\boxed{}. For GSM8K, an answer that ended by itself and has no box falls back to its last number, but a
     cut-off one does not: a number mid-way through unfinished reasoning is not an answer (it counts as unanswered).
-    e.g. GSM8K "... 6 + 12 = 18 eggs." -> "18" at "eos", None at "max"; "so \\boxed{18}, then 20" -> "18" at either."""
+    e.g. GSM8K "... 6 + 12 = 18 eggs." -> "18" at "eos", None at "max"; "so \\boxed{18}, then 20" -> "18" at either.
+    A thinking model's text is only what follows </think> (tokenizer.Thought.answer), so a box inside the thinking is
+    never read; think_closed False (the thinking never ended) is no answer."""
+    if think_closed is False:
+        return None
     boxed = last_boxed(text)
     if boxed is not None or not gsm8k or stop != "eos":
         return boxed

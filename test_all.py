@@ -1199,7 +1199,7 @@ PREFIXES = [("weights.py", ["--mod", "x"]), ("tools/regrade.py", ["f.json", "--d
             ("tools/show_answers.py", ["--max-new", "5", "--model", "m", "--data", "d", "--problems", "1"]),
             ("tools/claims.py", ["f.json", "--part"]),
             ("tools/compare_configs.py", ["--on", "x"]), ("tools/compare_llamacpp.py", ["--run", "1"]),
-            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--smo"])]
+            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--dry"])]
 
 
 @pytest.mark.parametrize("path, argv", PREFIXES, ids=[p for p, _ in PREFIXES])
@@ -2666,15 +2666,6 @@ def load_tool(name: str):
     return module
 
 
-def test_cuda_check_smoke_runs_from_the_root():
-    """`python tools/cuda_check.py --smoke` (its steps 1-2 on the CPU, tiny shape) finds the project's modules from
-    tools/ and passes every kernel and every policy."""
-    p = run_py(["tools/cuda_check.py", "--smoke"])
-    assert p.returncode == 0, p.stderr[-2000:]
-    ok = [l for l in p.stdout.splitlines() if l.startswith("ok ")]
-    assert len(ok) == 4 + len(P.POLICIES) and "FAIL" not in p.stdout
-
-
 def test_compare_llamacpp_writes_an_f32_gguf(tmp_path):
     """tools/compare_llamacpp.py's F32 copy of a GGUF: the same fields, every tensor F32 under the same name and shape,
     holding what the source dequantizes to (the Q8_0 output matrix included)."""
@@ -3744,3 +3735,313 @@ def test_shell_loop_recipe_merges_only_when_every_worker_succeeded(tmp_path):
                                       capture_output=True, text=True, timeout=HANG).stdout
     assert run("1").startswith("shards 2 failed: see results/logs/accuracy.I.log") and "MERGED" not in run("1")
     assert run("") == "MERGED\n"
+# ---- issue 54: reasoning models: Hub ids, thinking templates, a GPU check ----
+
+# Two chat templates written for these tests, faithful to the real ones where it matters here: Qwen3's generation
+# prompt is "<|im_start|>assistant\n", and with enable_thinking false it adds an empty "<think>\n\n</think>\n\n";
+# DeepSeek-R1-Distill's opens "<think>\n" itself after "<｜Assistant｜>" and has no switch.
+QWEN3_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                  "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+                  "{%- endif %}{%- endif %}")
+R1_TEMPLATE = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+               "{%- elif m.role == 'assistant' %}{{ '<｜Assistant｜>' + m.content.split('</think>')[-1] + eos_token }}"
+               "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{%- endif %}")
+SPECIAL = ["<eos>", "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>", "<bos>"]
+
+
+def think_dir(path, template=None, seed=0, **over) -> str:
+    """A tiny random model with a one-character-per-token tokenizer whose <think>, </think> and the templates' turn
+    markers are tokens of their own (as in Qwen3's and R1's vocabularies), and the given chat template."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    path = tiny_dir(str(path), seed=seed, **{"vocab_size": 128, "max_position_embeddings": 2048, **over})
+    chars = ["<eos>", "\n"] + [chr(c) for c in range(32, 127)]
+    tok = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="?"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Split("", "isolated"), decoders.Fuse()
+    tok.add_special_tokens(SPECIAL)  # ids 97 ... 104, after the characters (the vocabulary holds 128)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    tc = {"eos_token": "<eos>", "bos_token": "<bos>", **({"chat_template": template} if template else {})}
+    json.dump(tc, open(os.path.join(path, "tokenizer_config.json"), "w"))
+    return path
+
+
+def test_hub_ids_are_told_from_paths(tmp_path, monkeypatch):
+    """ORG/NAME[@REVISION] is a Hub id unless a file or directory of that name exists here; paths, three parts,
+    names weights.py knows and None are not, and cli.local_model returns them unchanged without the Hub."""
+    import hub
+
+    monkeypatch.chdir(tmp_path)
+    for name in ["Qwen/Qwen3-0.6B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B@main", "a/b@0123abcd", "o/n@refs/pr/1"]:
+        assert hub.is_hub_id(name), name
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "model").mkdir()
+    for name in ["local/model", "./x/y", "/models/x", "a/b/c", "smollm2-135m", "a/b@", "", None]:
+        assert not hub.is_hub_id(name), name
+        assert cli.local_model(name) == name
+
+
+def hub_cache(home, repo: str, snapshots: dict[str, str], refs: dict[str, str]):
+    """A Hugging Face cache in the library's own layout: each file once in blobs/ (named by its sha256), each commit's
+    snapshot of relative symlinks to them, refs/<branch or tag> holding a commit."""
+    import hashlib
+    import shutil
+
+    root = home / "hub" / ("models--" + repo.replace("/", "--"))
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    for commit, src in snapshots.items():
+        snap = root / "snapshots" / commit
+        snap.mkdir(parents=True)
+        for f in sorted(os.listdir(src)):
+            blob = hashlib.sha256(open(os.path.join(src, f), "rb").read()).hexdigest()
+            shutil.copy(os.path.join(src, f), root / "blobs" / blob)
+            os.symlink(os.path.join("..", "..", "blobs", blob), snap / f)
+    (root / "refs").mkdir(exist_ok=True)
+    for ref, commit in refs.items():
+        (root / "refs" / ref).write_text(commit)
+
+
+def test_hub_id_resolves_offline_from_the_cache(tmp_path):
+    """With HF_HUB_OFFLINE=1 and HF_HOME a cache in the library's layout, `generate.py --model ORG/NAME --policy
+    criticalkv` runs a tiny Qwen3 (q/k norms, its template) named by its Hub id, evicting (the real huggingface_hub
+    resolves refs/main to its snapshot), by id@commit and id@tag (other snapshots); an id
+    that is not cached, and an architecture nanokv cannot run (refused from config.json alone, no weights cached), are
+    one line each."""
+    a, b = "a" * 40, "b" * 40
+    qwen3 = dict(model_type="qwen3", head_dim=24)  # q/k norms, head_dim apart from hidden_size / heads, as Qwen3's
+    one, two = (think_dir(tmp_path / f"m{n}", QWEN3_TEMPLATE, num_hidden_layers=n, **qwen3) for n in (2, 3))
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "hidden_size": 64}))
+    home = tmp_path / "hf"
+    hub_cache(home, "org/tiny", {a: one, b: two}, {"main": a, "v2": b})
+    hub_cache(home, "org/gemma", {a: str(gemma)}, {"main": a})
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    env.pop("HF_HUB_CACHE", None)
+    answers = []  # the checkpoints differ in depth: 2 layers at commit a (main), 3 at b (tag v2)
+    for model in ["org/tiny", f"org/tiny@{b}", "org/tiny@v2", "org/tiny@main"]:
+        p = run_py(["generate.py", "--model", model, "--policy", "criticalkv", "--budget", "16", "--buffer", "4",
+                    "--prompt", "hi", "--max-new-tokens", "12"], env)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-1500:]
+        assert f"[hub] {model}" in p.stderr and re.search(r"\| [1-9]\d* evictions?, ", p.stdout), p.stdout
+        answers.append(re.search(r"\[load\] (\d+) layers", p.stderr)[1])  # which snapshot loaded
+    assert answers == ["2", "3", "3", "2"]
+    for model, needle in [("org/missing", "org/missing is not in the Hugging Face cache (" + str(home / "hub") +
+                           ") and HF_HUB_OFFLINE=1 is set"),
+                          ("org/tiny@nobranch", "not in the Hugging Face cache"),
+                          ("org/gemma", "org/gemma: unsupported model_type 'gemma3'")]:
+        p = run_py(["generate.py", "--model", model, "--max-new-tokens", "2"], env)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode != 0 and "Traceback" not in p.stderr and last.startswith("error: ") and needle in last, \
+            p.stderr[-1500:]
+
+
+def test_hub_errors_are_one_line(monkeypatch):
+    """Each failure huggingface_hub raises becomes one ModelError line naming the id and the fix: gated, unknown id,
+    unknown revision, no config.json, offline and not cached, a malformed id."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    import hub
+
+    response = httpx2.Response(404, request=httpx2.Request("GET", "https://huggingface.co/x"))
+    cases = [(errors.GatedRepoError("gated", response=response), "is a gated model: accept its terms"),
+             (errors.RepositoryNotFoundError("nope", response=response), "no model 'org/x' on the Hugging Face Hub"),
+             (errors.RevisionNotFoundError("rev", response=response), "has no revision 'r1'"),
+             (errors.RemoteEntryNotFoundError("entry", response=response), "has no config.json"),
+             (errors.LocalEntryNotFoundError("offline"), "is not in the Hugging Face cache"),
+             (errors.HFValidationError("Repo id must be ..."), "is not a valid Hugging Face id")]
+    for exc, needle in cases:
+        def fail(*args, **kw):
+            raise exc
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+        with pytest.raises(ModelError) as e:
+            hub.hub_model_dir("org/x@r1")
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_hub_checks_the_architecture_before_the_weights(tmp_path, monkeypatch):
+    """hub_model_dir reads config.json alone first: an unsupported architecture stops before snapshot_download (the
+    weights) is called; a supported one downloads only the files nanokv reads (config, tokenizer, safetensors)."""
+    import huggingface_hub
+
+    import hub
+
+    cfg = tmp_path / "config.json"
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, f, revision=None: str(cfg))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, revision=None, allow_patterns=None: calls.append(allow_patterns) or str(tmp_path))
+    cfg.write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(ModelError, match=r"^org/moe: unsupported model_type 'qwen3_moe' in its config\.json"):
+        hub.hub_model_dir("org/moe")
+    assert calls == []
+    tiny_dir(str(tmp_path), model_type="qwen3", head_dim=16)
+    assert hub.hub_model_dir("org/q3") == tmp_path and len(calls) == 1
+    from fnmatch import fnmatch
+
+    wanted = lambda f: any(fnmatch(f, p) for p in calls[0])
+    assert all(map(wanted, ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                            "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]))
+    assert not any(map(wanted, ["pytorch_model.bin", "consolidated.safetensors", "original/model.safetensors",
+                                "model.gguf", "README.md"]))
+
+
+def test_thinking_templates_render_with_their_switch(tmp_path):
+    """Qwen3's template renders enable_thinking as set (false: an empty think block closes the prompt; true or unset:
+    the plain generation prompt); R1's always opens <think>. --no-thinking on R1 and --thinking on a template with no
+    <think> are one line each, as is any flag where there is no template."""
+    q3, r1 = think_dir(tmp_path / "q3", QWEN3_TEMPLATE), think_dir(tmp_path / "r1", R1_TEMPLATE)
+    plain = think_dir(tmp_path / "plain", TURNS)
+    msg = [{"role": "user", "content": "2+2?"}]
+    head = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert Tokenizer(q3).chat(msg) == Tokenizer(q3, True).chat(msg) == head
+    assert Tokenizer(q3, False).chat(msg) == head + "<think>\n\n</think>\n\n"
+    assert Tokenizer(r1).chat(msg) == Tokenizer(r1, True).chat(msg) == "<bos><｜User｜>2+2?<｜Assistant｜><think>\n"
+    assert Tokenizer(q3).thinks and Tokenizer(r1).thinks and not Tokenizer(plain).thinks
+    for path, flag, needle in [(r1, False, "always thinks"), (plain, True, "has no thinking mode"),
+                               (plain, False, "has no thinking mode")]:
+        with pytest.raises(ModelError, match=needle) as e:
+            Tokenizer(path, flag)
+        assert "\n" not in str(e.value) and "drop the flag" in str(e.value)
+
+
+def test_thought_splits_where_thinking_ends(tmp_path):
+    """Tokenizer.thought: R1's prompt opened the thinking, so it ends at the </think> token (counted in it) and the
+    answer is what follows; Qwen3 opens it in its answer; with the switch off the prompt closed it (no thinking); a
+    thinking that never closes is all thinking and no answer; where </think> spans several tokens (no token of its own)
+    it ends at the token that completes it."""
+    r1, q3 = Tokenizer(think_dir(tmp_path / "r1", R1_TEMPLATE)), Tokenizer(think_dir(tmp_path / "q3", QWEN3_TEMPLATE))
+    q3_off = Tokenizer(str(tmp_path / "q3"), False)
+    msg = [{"role": "user", "content": "2+2?"}]
+    enc = lambda tok: tok.encode(tok.chat(msg))
+    out = r1.encode("so \\boxed{5}?</think>It is \\boxed{4}.<eos>")
+    assert r1.thought(enc(r1), out) == T_(out.index(r1.tok.token_to_id("</think>")) + 1, True, "It is \\boxed{4}.<eos>")
+    assert r1.thought(enc(r1), out).tokens == len("so \\boxed{5}?") + 1
+    out = q3.encode("<think>\nhmm \\boxed{5}</think>\n\n\\boxed{4}<eos>")
+    assert q3.thought(enc(q3), out) == T_(2 + len("hmm \\boxed{5}") + 1, True, "\n\n\\boxed{4}<eos>")
+    out = q3_off.encode("\\boxed{4}<eos>")
+    assert q3_off.thought(enc(q3_off), out) == T_(0, None, "\\boxed{4}<eos>")
+    out = r1.encode("so \\boxed{5} and on")
+    assert r1.thought(enc(r1), out) == T_(len(out), False, "")
+    spelled = [r1.tok.token_to_id(c) for c in "ab</think>cd"]  # </think> spelled character by character
+    assert r1.thought(enc(r1), spelled) == T_(len("ab</think>"), True, "cd")
+
+
+def T_(tokens, closed, answer):
+    from tokenizer import Thought
+
+    return Thought(tokens, closed, answer)
+
+
+@pytest.mark.parametrize("text, closed, pred", [
+    ("\\boxed{4}.<eos>", True, "4"),  # after </think>: the answer's box
+    ("", False, None),  # the thinking never closed: no answer, even if it held a box
+    ("Eggs: 6 + 12 = 18.", None, None),  # MATH: no box, no answer
+])
+def test_extraction_reads_only_after_thinking(text, closed, pred):
+    """extract_answer grades the text after </think> (Thought.answer), and an unclosed thinking as no answer, for MATH
+    and GSM8K alike (GSM8K's last-number fallback never reads the thinking)."""
+    assert T.extract_answer(text, False, "eos", closed) == pred
+    assert T.extract_answer("so 7 then \\boxed{9}", True, "eos", False) is None
+
+
+def test_accuracy_rows_record_thinking(tmp_path):
+    """eval.py accuracy on a thinking model: each problem records its thinking's tokens beside its answer's and
+    whether the thinking closed (a random model never closes it: graded unanswered); the row sums them up. With
+    --no-thinking on Qwen3's template the prompt closed it (no thinking, think_closed null) and the key says so."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}?", "answer": str(i)}) + "\n" for i in range(2)))
+    for template, extra in [(R1_TEMPLATE, []), (QWEN3_TEMPLATE, ["--no-thinking"])]:
+        model = think_dir(tmp_path / str(len(extra)), template)
+        out = tmp_path / f"rows{len(extra)}.json"
+        ev.main(["accuracy", "--model", model, "--data", str(data), "--policies", "full", "--n", "2",
+                 "--max-new-tokens", "6", "--out", str(out), *extra])
+        (row,) = R.read_rows(out)
+        for p in row["per_problem"]:
+            assert p["think_tokens"] + p["answer_tokens"] == p["tokens"]
+            if extra:  # the switch is off: no thinking
+                assert p["think_tokens"] == 0 and p["think_closed"] is None
+            elif p["think_closed"] is False:  # a random model rarely writes </think> in 6 tokens
+                assert p["think_tokens"] == p["tokens"] and not p["answered"] and p["pred"] is None
+        assert row["mean_think_tokens"] == sum(p["think_tokens"] for p in row["per_problem"]) / 2
+        assert row.get("thinking") == (False if extra else None)
+
+
+def test_regrade_reads_after_thinking(tmp_path, capsys):
+    """tools/regrade.py regrades a thinking row from its stored text after </think>: a box inside the thinking is
+    never the answer, and an unclosed thinking stays unanswered."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import regrade
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {k}?", "answer": "4"}) + "\n" for k in range(2)))
+    texts = [("so \\boxed{5}</think>It is \\boxed{4}.", True), ("so \\boxed{4} and on", False)]
+    pp = [{"i": k, "correct": False, "answered": False, "loop": False, "tokens": 9, "stop": "eos", "evictions": 0,
+           "kept": 1.0, "pred": None, "think_tokens": 5, "answer_tokens": 4, "think_closed": c,
+           "text_z": R.pack_text(t)} for k, (t, c) in enumerate(texts)]
+    row = {"task": "accuracy", "policy": "full", "budget": None, "data": "m.jsonl", "data_sha": T.file_hash(str(data)),
+           "grading": 0, "accuracy": 0.0, "per_problem": pp}
+    new, changed = regrade.regrade(row, T.load_data(str(data)), "rows.json")
+    assert [p["pred"] for p in new["per_problem"]] == ["4", None] and changed == [0] and new["accuracy"] == 0.5
+
+
+def test_generate_marks_where_thinking_ends(tmp_path, capsys):
+    """generate.py on a thinking model prints where each answer's thinking ended (with --compare, both answers'); the
+    --html page carries the first position after a thinking that closed (viewer.view), and in chromium the page draws
+    its mark between </think> and the answer and counts the thinking in the summary."""
+    model = think_dir(tmp_path / "r1", R1_TEMPLATE)
+    page = tmp_path / "p.html"
+    G.main(["--model", model, "--prompt", "2+2?", "--max-new-tokens", "5", "--policy", "streaming", "--budget", "24",
+            "--buffer", "4", "--compare", "--html", str(page)])
+    out = capsys.readouterr().out
+    assert "[think] streaming: the thinking never closed" in out and "[think] full: the thinking never closed" in out
+    data = json.loads(re.search(r'id="data">(.*?)</script>', page.read_text(), re.S)[1])
+    assert [r["think_end"] for r in data["runs"]] == [None, None]  # never closed: no mark
+    tiny_model, tok = load_model(model), Tokenizer(model)
+    prompt = tok.encode(tok.chat([{"role": "user", "content": "x"}]))
+    ids = tok.encode("ab</think>c")
+    run = G.make_run("full", None, 8, None, len(prompt))
+    v = viewer.view("full", run, viewer.Recording(run), prompt, ids, tok.token_bytes(prompt + ids),
+                    tok.thought(prompt, ids).tokens)
+    assert v["think_end"] == len(prompt) + 3 and v["tokens"][v["think_end"] - 1] == "</think>"
+    page.write_text(viewer.page([v], tiny_model.cfg, len(prompt)), encoding="utf-8")
+    dom = chromium(page.as_uri(), tmp_path, "--dump-dom")  # the mark sits between </think> and the answer's text
+    assert "data-errors" not in Dom(dom).root and "thinking 3 of them" in Dom(dom).text["summary"]
+    assert re.search(r'>&lt;/think&gt;</span><span class="tag thinkend">thinking ends: 3 tokens above</span>'
+                     r'<span class="t[^"]*"[^>]*>c</span>', dom)
+
+
+def test_qwen3_0_6b_config_loads(tmp_path):
+    """Qwen/Qwen3-0.6B's config.json as published (qk_norm; head_dim 128 apart from hidden_size 1024 / 16 heads;
+    null sliding_window) reads into nanokv's config with its numbers, the ones a `--model Qwen/Qwen3-0.6B` run uses."""
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+           "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+           "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+           "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+           "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+           "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    c = ModelConfig.from_hf(tmp_path)
+    assert (c.qk_norm, c.head_dim, c.num_attention_heads * c.head_dim, c.n_rep, c.sliding_window) == \
+        (True, 128, 2048, 2, 0)
+    assert (c.rope_theta, c.tie_word_embeddings, c.eos_token_id, c.layer_types) == \
+        (1e6, True, [151645], ["full_attention"] * 28)
+
+
+def test_cuda_check_dry_run():
+    """`python tools/cuda_check.py --dry-run` (run from the root: it finds the project's modules from tools/) runs the
+    GPU check's whole code path on the CPU at tiny shapes (the
+    kernels against their references, SDPA's backend with and without a mask against the eager reference, every
+    registered policy's eviction round at a far position, decode speed and peak memory of the full cache and K), prints
+    one table with a row per check and exits 0 with no mismatch."""
+    p = run_py(["tools/cuda_check.py", "--dry-run"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [l for l in p.stdout.splitlines() if l.startswith("| ")][1:]  # after the header (its rule is "|---")
+    checks = [l.split("|")[1].strip() for l in rows]
+    assert all(f"evict {name}" in checks for name in P.POLICIES if name != "full")
+    assert {"sdpa no mask", "sdpa mask"} <= set(checks) and sum(c.startswith("triton") for c in checks) >= 4
+    assert sum(c.startswith("decode") for c in checks) == 4  # full and K, batch 1 and 8
+    assert all(l.split("|")[2].strip() == "ok" for l in rows) and "FAIL" not in p.stdout

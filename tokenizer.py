@@ -3,16 +3,24 @@ The tokenizer and the chat template of a Hugging Face model directory: a fast to
 `tokenizers` library), the end-of-turn ids from config.json, generation_config.json and tokenizer_config.json, and the
 model's own Jinja chat template rendered the way transformers' apply_chat_template renders it.
 
-Left out: slow (sentencepiece) tokenizers, tool calls, and templates that need more than messages, bos_token and
-eos_token.
+Thinking models (DeepSeek-R1 distills, Qwen3) write their reasoning between <think> and </think>, then the answer.
+Their templates differ: R1's generation prompt opens <think> itself and has no switch; Qwen3's takes enable_thinking
+(false writes an empty <think></think> into the prompt, so the model answers at once). `thinking` sets the switch
+(None: the template's default), and Tokenizer.thought splits a generated answer where its thinking ends.
+
+Left out: slow (sentencepiece) tokenizers, tool calls, and templates that need more than messages, bos_token,
+eos_token and enable_thinking.
 """
 
 import json
 import sys
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from config import ModelConfig, ModelError, read_json, token_ids
+
+THINK, END_THINK = "<think>", "</think>"  # the markers of both families (tokens of their own in their vocabularies)
 
 
 def byte_chars() -> list[str]:
@@ -73,8 +81,16 @@ def template_env():
     return env
 
 
+@dataclass
+class Thought:
+    """A generated answer split where its thinking ends."""
+    tokens: int  # the thinking's tokens, </think> included (0: the answer did not think)
+    closed: bool | None  # whether </think> came; None: no thinking in this answer
+    answer: str  # the text after </think>, what a grader reads: all of it without thinking, "" if it never closed
+
+
 class Tokenizer:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, thinking: bool | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
@@ -88,6 +104,14 @@ class Tokenizer:
         self.path, self.config = path, tokenizer_config(path)
         self.template, self.template_file = chat_template(path, self.config)
         self.compiled = None  # the template, compiled on first use
+        self.thinks = bool(self.template) and THINK in self.template  # a thinking model's template writes <think>
+        self.switch = bool(self.template) and "enable_thinking" in self.template  # Qwen3's switch
+        if thinking is not None and not self.switch:
+            what = ("always thinks (its template opens <think> and has no enable_thinking switch)" if self.thinks
+                    else "has no thinking mode (its chat template writes no <think>)")
+            if not thinking or not self.thinks:
+                raise ModelError(f"--{'' if thinking else 'no-'}thinking: the model in {path} {what}: drop the flag")
+        self.thinking = thinking  # enable_thinking for a template with the switch; None: the template's default
         self.said_plain = False  # whether we told the user that prompts go in as plain text
         special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
         self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
@@ -128,9 +152,31 @@ class Tokenizer:
             return "\n".join(m["content"] for m in messages) + "\n"
         try:
             self.compiled = self.compiled or template_env().from_string(self.template)
+            switch = {"enable_thinking": self.thinking} if self.switch and self.thinking is not None else {}
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **switch)
         except Exception as e:  # the template is code from the model's files, so any failure is theirs to fix
             line = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
             raise ModelError(f"{self.template_file}: the chat template fails{line} ({type(e).__name__}: "
                              f"{(str(e) or '?').splitlines()[0]}): fix the template there") from None
+
+    def thought(self, prompt: list[int], ids: list[int]) -> Thought:
+        """Split generated ids where the thinking ends. An answer thinks when its prompt left <think> open (R1's
+        template) or when it begins with <think> (Qwen3 thinking on its own); it ends with the token that completes
+        </think>. Found in the bytes of the tokens, so it also works where </think> is no token of its own.
+        e.g. R1: prompt "...<｜Assistant｜><think>\n", answer "x = 2.</think>So \\boxed{2}" -> tokens up to </think>,
+        closed, answer "So \\boxed{2}"; Qwen3 with enable_thinking false: its prompt closed it, so 0, None, all."""
+        head = b"".join(self.token_bytes(prompt[-32:])).decode("utf-8", "replace")  # the generation prompt's tail
+        pieces = self.token_bytes(ids)
+        text = b"".join(pieces)
+        if not (head.rfind(THINK) > head.rfind(END_THINK) or text.lstrip().startswith(THINK.encode())):
+            return Thought(0, None, self.decode(ids))
+        end = text.find(END_THINK.encode())
+        if end < 0:
+            return Thought(len(ids), False, "")
+        stop, n = end + len(END_THINK), 0
+        for k, piece in enumerate(pieces):  # the token whose bytes reach past </think>
+            n += len(piece)
+            if n >= stop:
+                break
+        return Thought(k + 1, True, text[stop:].decode("utf-8", "replace"))

@@ -121,9 +121,11 @@ def halves(x: Tensor) -> str:
         return base64.b64encode(x.flatten().numpy().astype("<f2").tobytes()).decode()
 
 
-def view(name: str, run, rec: Recording, prompt: list[int], ids: list[int], pieces: list[bytes]) -> dict:
+def view(name: str, run, rec: Recording, prompt: list[int], ids: list[int], pieces: list[bytes],
+         thinking: int = 0) -> dict:
     """One run as the page reads it. ids: the answer (its last token was sampled, never fed); pieces: the bytes of
-    each token of prompt + ids (Tokenizer.token_bytes)."""
+    each token of prompt + ids (Tokenizer.token_bytes); thinking: how many of the answer's tokens are a thinking
+    model's thinking, </think> included (Tokenizer.thought; 0: none), marked on the page where it ends."""
     texts, odd = token_texts(pieces)
     rounds = []
     for r in rec.rounds:
@@ -134,6 +136,7 @@ def view(name: str, run, rec: Recording, prompt: list[int], ids: list[int], piec
     return {"name": name, "label": f"{name} K={run.budget} r={run.buffer}" if evicting else "full cache",
             "buffer": run.buffer if evicting else 0, "protect_below": run.protect_below[rec.row] if evicting else 0,
             "fed": len(prompt) + len(ids) - 1, "ids": prompt + ids, "tokens": texts, "odd": odd,
+            "think_end": len(prompt) + thinking if thinking else None,  # the first position after the thinking
             "mark": MARKS.get(name, "the scorer's must-keep (score >= BIG)"), "rounds": rounds}
 
 

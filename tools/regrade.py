@@ -35,7 +35,10 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     per, changed = [], []
     for p in row["per_problem"]:
         gold = data[p["i"]]["answer"]
-        pred = extract_answer(unpack_text(p["text_z"]), "####" in gold, p["stop"]) if "text_z" in p else p["pred"]
+        text = unpack_text(p["text_z"]) if "text_z" in p else None
+        if text is not None and p.get("think_closed"):  # a thinking model's answer: what follows its </think>
+            text = text.split("</think>", 1)[1]
+        pred = extract_answer(text, "####" in gold, p["stop"], p.get("think_closed")) if text is not None else p["pred"]
         ok = is_correct(pred, gold)
         changed += [p["i"]] if ok != p["correct"] else []
         per.append({**p, "pred": pred, "answered": pred is not None, "correct": ok})

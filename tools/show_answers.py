@@ -46,9 +46,9 @@ def main():
     outs, _, _ = generate(model, prompts, make_run("full", None, 16, None, [len(p) for p in prompts]),
                           args.max_new_tokens, eos_ids=tok.eos_ids)
     old = stored(args.row, args.data, args.max_new_tokens) if args.row else {}
-    for i, ids in zip(idx, outs):
+    for i, prompt, ids in zip(idx, prompts, outs):
         r, text = rows[i], tok.decode(ids)
-        _, stop, pred = answer_of(tok, ids, r["answer"])
+        _, stop, pred = answer_of(tok, ids, r["answer"], prompt)
         gold = r["answer"].split("####")[-1].strip()
         print(f"\n=== problem {i}: {len(ids)} tokens, stopped at {stop} ===\n{r['question'][:300]}\n--- answer's end ---\n"
               f"...{text[-args.tail:]}\n--- extracted {pred!r} | dataset {gold!r} | "
