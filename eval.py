@@ -420,7 +420,7 @@ def main(argv=None):
         if args.cmd == "plot":
             import plot  # matplotlib: imported by this subcommand only
 
-            budgets = int_list("--budgets", args.budgets) if args.budgets else None
+            budgets = int_list("--budgets", args.budgets) if args.budgets is not None else None  # '' is refused
             return print("\n".join(map(str, plot.draw(args.files, args.out, budgets))))
         where, lab = result_file(args.out, args.shard), {}
         if where:

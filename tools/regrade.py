@@ -14,13 +14,17 @@ then (a change to tasks.extract_answer needs those decoded again).
 """
 
 import sys
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import locked, read_rows, unpack_text, write_json  # noqa: E402
+from results import READ_FIX, locked, read_rows, unpack_text, write_json  # noqa: E402
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, load_data  # noqa: E402
+
+
+NEEDS = {"accuracy": ("policy", "data", "data_sha", "accuracy", "per_problem")}  # what a regrade reads of a row
 
 
 def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
@@ -35,13 +39,22 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     per, changed = [], []
     for p in row["per_problem"]:
         gold = data[p["i"]]["answer"]
-        pred = extract_answer(unpack_text(p["text_z"]), "####" in gold, p["stop"]) if "text_z" in p else p["pred"]
+        pred = extract_answer(text_of(p, where), "####" in gold, p["stop"]) if "text_z" in p else p["pred"]
         ok = is_correct(pred, gold)
         changed += [p["i"]] if ok != p["correct"] else []
         per.append({**p, "pred": pred, "answered": pred is not None, "correct": ok})
     mean = lambda field: sum(p[field] for p in per) / len(per)
     return {**row, "grading": grading(data), "accuracy": mean("correct"), "answered": mean("answered"),
             "per_problem": per}, changed
+
+
+def text_of(p: dict, where: str) -> str:
+    """A problem's generated text, unpacked (results.pack_text); a damaged one is one line naming the row."""
+    try:
+        return unpack_text(p["text_z"])
+    except (ValueError, zlib.error):  # binascii.Error and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{where}: problem {p['i']}'s text_z is damaged (not base64 of zlib-packed UTF-8): delete "
+                         "that field to grade its stored answer, or rerun the sweep for that row") from None
 
 
 def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:
@@ -64,7 +77,7 @@ def main(argv=None):
             if not f.is_file():
                 raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
-                rows, out = read_rows(f), []
+                rows, out = read_rows(f, NEEDS, READ_FIX), []
                 for k, r in enumerate(rows, 1):
                     key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
                     if key and key not in read:
@@ -81,7 +94,7 @@ def main(argv=None):
                 if out != rows:
                     write_json(f, out)
     except UsageError as e:
-        sys.exit(f"regrade: {e}")
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
