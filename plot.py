@@ -82,11 +82,11 @@ def check_map(m: dict, where: Path) -> dict:
         raise UsageError(f"{where}: a kept map needs positions, prompt_len, buffer, layer and heads (per KV head the "
                          "positions it holds): write it again with generate.py --kept-json")
     n, P, r = m["positions"], m["prompt_len"], m["buffer"]
+    twice = [h for h, held in enumerate(m["heads"]) if len(set(held)) < len(held)]
     bad = ("it holds no positions" if n < 1 else f"its prompt ({P} tokens) is not within its {n} positions"
            if not 0 <= P <= n else f"its buffer {r} is not within its {n} positions" if not 0 <= r <= n
-           else f"its layer is {m['layer']}" if m["layer"] < 0 else next(
-               (f"KV head {h} holds a position twice" for h, held in enumerate(m["heads"]) if len(set(held)) < len(held)),
-               None))
+           else f"its layer is {m['layer']}" if m["layer"] < 0 else f"KV head {twice[0]} holds a position twice"
+           if twice else None)
     if bad:
         raise UsageError(f"{where}: not a map generate.py --kept-json writes ({bad}): write it again with "
                          "generate.py --kept-json")

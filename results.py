@@ -13,6 +13,7 @@ or a shell loop runs the shards), and locks across machines (flock is local: sha
 import argparse
 import base64
 import fcntl
+import glob
 import hashlib
 import heapq
 import json
@@ -109,10 +110,10 @@ FIELDS = {  # the fields that code reads back (tables, paired statistics, figure
     "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num), "per_trace": list_of(trace),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
-    "logprob_by_set": list_of(num), "model": text, "data": text, "data_sha": text, "n": positive, "buffer": maybe(integer),
-    "protect": maybe(flag), "top1": num, "nll_gap": num, "tokens": integer, "recall": num, "logprob": num,
-    "heads": integer, "gap_tokens": num, "l1_window": maybe(num), "l1_next": maybe(num), "better_window": maybe(num),
-    "better_next": maybe(num),
+    "logprob_by_set": list_of(num), "model": text, "data": text, "data_sha": text, "n": positive,
+    "buffer": maybe(integer), "protect": maybe(flag), "top1": num, "nll_gap": num, "tokens": integer, "recall": num,
+    "logprob": num, "heads": integer, "gap_tokens": num, "l1_window": maybe(num), "l1_next": maybe(num),
+    "better_window": maybe(num), "better_next": maybe(num),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
@@ -171,7 +172,7 @@ def read_rows(path: Path | None, needs: dict[str, tuple] | None = None,
 
 
 # -----------------------------------------------------------------------------
-# what the tools read (tools/, eval.py plot): every file through read_json and check_row; rows paired only in one setting
+# what the tools read (tools/, eval.py plot): every file through read_json and check_row; pairs of one setting only
 
 READ_FIX = "pass a result file of eval.py (its --out)"
 PAIRED = ("model", "device", "dtype", "quant", "template", "data_sha", "n")  # a model, a mode, a data file, an n
@@ -248,6 +249,10 @@ def check_writable(path: Path):
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     probe = path.with_name(path.name + ".probe")
+    for stale in path.parent.glob(glob.escape(probe.name) + ".*.tmp"):  # a check killed mid-write left it (0 bytes)
+        with suppress(OSError):
+            if stale.stat().st_size == 0 and time.time() - stale.stat().st_mtime > 60:  # not one being written now
+                stale.unlink()
     write_json(probe, [])
     probe.unlink()
 
@@ -303,7 +308,8 @@ def plan(costs: list[float], n: int) -> list[int]:
     """Which shard (1 .. n) runs each job: the dearest job first, each to the shard with the least cost so far (ties:
     the lower shard), as in LPT scheduling. A pure function of the costs, so every shard and merge agree.
     e.g. costs [3, 1, 2, 2], n = 2: 3 -> shard 1, 2 -> 2, 2 -> 2 (2 < 3), 1 -> 1 (3 < 4): [1, 1, 2, 2], 4 and 4."""
-    loads = [(0.0, s) for s in range(1, n + 1)]  # a heap of (cost so far, shard)
+    # a heap of (cost so far, shard); past len(costs) shards the rest get no job, so they need no place in it
+    loads = [(0.0, s) for s in range(1, min(n, len(costs)) + 1)]
     owner = [0] * len(costs)
     for j in sorted(range(len(costs)), key=lambda j: -costs[j]):  # stable: equal costs keep job order
         load, s = heapq.heappop(loads)

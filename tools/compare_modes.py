@@ -231,7 +231,8 @@ def main(argv=None):
         for flag in ("budget", "buffer", "context", "turns", "steps", "n", "min_tokens", "problems", "max_new_tokens"):
             if getattr(args, flag) < 1:  # each divides or counts: 0 would end in a division by zero, or nothing
                 raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
-        check_output("--out", args.out)  # before the work, not after it = ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]
+        check_output("--out", args.out)  # before the work, not after it
+        modes = ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
