@@ -336,10 +336,10 @@ FLOAT_DTYPES = ("F32", "F64", "F16", "BF16")  # safetensors' names for the dtype
 
 def garbled(name: str, missing: list[str]) -> str | None:
     """Whether an unknown tensor name is a damaged copy of an expected one: the missing name of the same length that
-    differs from it in the fewest characters (at most 4), or "" for a name with bytes no tensor name holds; None for
+    differs from it in the fewest characters (at most 4, or a third of the name), or "" for a name with bytes no tensor name holds; None for
     a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
     near = [(sum(a != b for a, b in zip(m, name)), m) for m in missing if len(m) == len(name)]
-    if near and min(near)[0] <= 4:
+    if near and min(near)[0] <= max(4, len(name) // 3):  # a few bytes overwritten in place (a run of 8 too)
         return min(near)[1]
     return "" if not name.isascii() or not name.isprintable() else None
 

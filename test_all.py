@@ -2906,7 +2906,7 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     spread. Without a full row it stops in one line."""
     def row(policy, protect, right, n=10):
         pp = [{"i": i, "correct": i in right, "answered": True, "loop": False, "tokens": 100, "evictions": 3,
-               "kept": 0.5, "pred": str(i) if i in right else "x"} for i in range(n)]
+               "kept": 0.5, "pred": str(i) if i in right else "x", "stop": "eos"} for i in range(n)]
         return {"task": "accuracy", "policy": policy, "budget": None if policy == "full" else 64, "protect": protect,
                 "data": "d", "model": "m", "per_problem": pp}
     full = row("full", None, range(6))
@@ -2925,7 +2925,8 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     assert "| snapkv, protected - random, protected | -0.10 |" in p.stdout and "| 0 / 1 | 1 |" in p.stdout
     assert "| random, protected - random, not protected | +0.20 | [" in p.stdout
     assert "| vase, protected (n = 4 so far) - snapkv, protected | -0.25 |" in p.stdout  # the 4 problems both hold
-    p = run_py(["tools/claims.py", str(tmp_path / "a.progress-0.json")])
+    (tmp_path / "c.json").write_text(json.dumps([row("vase", True, [1], n=4)]))
+    p = run_py(["tools/claims.py", str(tmp_path / "c.json")])
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "no full-cache accuracy row" in p.stderr
 
 
@@ -3530,7 +3531,9 @@ def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
     tool = load_tool("compare_modes")
     row = lambda right, **kw: {"task": "accuracy", "policy": "full", "data": "d.jsonl", "data_sha": "x", "n": 4,
                                "dtype": "torch.bfloat16", "accuracy": sum(right) / 4, **kw,
-                               "per_problem": [{"i": i, "correct": c} for i, c in enumerate(right)]}
+                               "per_problem": [{"i": i, "correct": bool(c), "answered": True, "loop": False,
+                                                "tokens": 5, "stop": "eos", "evictions": 0, "kept": 1.0, "pred": "1"}
+                                               for i, c in enumerate(right)]}
     (tmp_path / "e.json").write_text(json.dumps([row([1, 1, 0, 0])]))
     (tmp_path / "f.json").write_text(json.dumps([row([1, 0, 0, 0], quant="int4")]))
     (tmp_path / "g.json").write_text(json.dumps([row([1, 0, 0, 0], n=5)]))
@@ -3538,8 +3541,8 @@ def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
                "--out", str(tmp_path / "a.json")])
     (r,) = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert (r["diff"], r["fast_only"], r["fp32_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
-    assert "hold 0 pairs of full-cache rows" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
-                                                              "--fast", str(tmp_path / "g.json")], capsys)
+    assert "--fast's has n 5, --exact's 4" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
+                                                            "--fast", str(tmp_path / "g.json")], capsys)
 
 
 def test_compare_llamacpp_decodes_the_file_as_it_ships(tmp_path, monkeypatch):
@@ -3604,4 +3607,5 @@ def test_holm_and_the_replication_verdicts(tmp_path, capsys):
     assert "- 0.5B, GSM8K (int4, K = 208): AMD EPYC, AVX2: 10, not recorded: 150\n" in out  # where each problem ran
     assert "cannot be tested here" in out and "vase − snapkv" not in out  # no vase row
     (tmp_path / "claims_q05.json").write_text(json.dumps(rows + [row("vase", range(30), model="other")]))
-    assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+    assert f'{tmp_path / "claims_q05.json"} row 1 has model "m", {tmp_path / "claims_q05.json"} row 5 "other"' in \
+        one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
