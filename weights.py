@@ -254,7 +254,7 @@ def check_space(step: str, need: int, where: Path, cmd: str):
     """Refuse a step that needs more bytes than the disk holding `where` has free, before it writes anything."""
     free = shutil.disk_usage(where).free
     if need > free:
-        size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+        size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
         raise SetupError(f"{step} needs {size(need)} in {where}, which has {size(free)} free: free some space, or set "
                          f"NANOKV_HOME to a disk with room, and rerun '{cmd}'")
 
