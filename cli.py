@@ -249,8 +249,22 @@ def output_failed(e: OSError):
     cannot read), or stdout and where it goes (a full disk under `> /dev/full`: the one write that names no file)."""
     what = f"{e.filename}: {e.strerror or e}" if e.filename else (
         f"cannot write to {stdout_target()}: {e.strerror or e}: {write_fix(e)}")
+    if not e.filename and e.errno == errno.ENOSPC and not stdout_full():  # another file's disk is full, not stdout's
+        what = (f"a write failed: {e.strerror} (not stdout's, {stdout_target()}): free some space where nanokv "
+                "writes ($NANOKV_HOME, --out) and rerun")
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
     sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {what}")
+
+
+def stdout_full() -> bool:
+    """Whether stdout can be what ran out of space: /dev/full, or a file on a disk with no room left (True where the
+    system does not say). A terminal or a file on a disk with room cannot: another write failed."""
+    try:
+        fd = sys.stdout.fileno()
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        return target == "/dev/full" or os.path.isfile(target) and os.fstatvfs(fd).f_bavail == 0
+    except (OSError, ValueError):
+        return True
 
 
 def write_fix(e: OSError) -> str:

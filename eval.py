@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        if args.out is not None and not args.out.strip():  # '' would save nothing, silently
+            raise UsageError("--out is empty: name the file (plot: the folder) to write, e.g. --out results/rows.json")
         if args.cmd == "merge":
             return report(*merge(args.out), f"merged into {args.out}")
         if args.cmd == "plot":

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from cli import UsageError
-from results import check_row, parse_json
+from results import PAIRED, check_row, differs, parse_json
 from stats import bootstrap_diff, outcomes
 
 MARKERS = "osD^v<>ph*"
@@ -133,8 +133,8 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
 
 
 def same_problems(full: dict, row: dict) -> bool:
-    keys = ("data_sha", "model", "max_new_tokens", "device", "dtype", "template")  # template: absent, or "none"
-    return all(full.get(k) == row.get(k) for k in keys)
+    """Whether row pairs with this full-cache row: one model, mode, data file and n (results.PAIRED), one cap."""
+    return not differs(full, row, PAIRED + ("max_new_tokens",))
 
 
 def bench_series(rows: list[dict]) -> dict[str, list[tuple]]:

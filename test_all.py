@@ -3839,3 +3839,17 @@ def test_corrupt_header_with_a_run_of_bytes_is_named_corrupt(tmp_path):
     with pytest.raises(ModelError, match="is corrupt: its header names a tensor 'model.layers.1.XXXXXXXXXXX.weight' "
                                          "where nanokv's llama model expects 'model.layers.1.mlp.up_proj.weight'"):
         load_model(path)
+
+
+def test_a_full_disk_elsewhere_does_not_blame_stdout(tmp_path):
+    """An ENOSPC that names no file (a model fetch's write) while stdout goes to a file on a disk with room is reported
+    as a write that failed elsewhere, not as 'cannot write to stdout' (the log file was on another disk); under
+    `> /dev/full` stdout is still named."""
+    code = ("import cli, errno\ntry:\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "except OSError as e:\n    cli.output_failed(e)")
+    log = tmp_path / "log.txt"
+    p = run_py(f"{sys.executable} -c \"{code}\" > {log}", shell=True)
+    assert p.returncode == 1 and p.stderr.startswith("error: a write failed: No space left on device (not stdout's")
+    p = run_py(f"{sys.executable} -c \"{code}\" > /dev/full", shell=True)
+    assert p.stderr.startswith("error: cannot write to stdout (/dev/full)"), p.stderr
+
