@@ -3689,6 +3689,11 @@ BAD_TOOL_INPUT = [
     ("regrade", ["{d}/a.json"], {"a.json": json.dumps([{k: v for k, v in acc_row().items() if k != "data"}])},
      "has no 'data'"),
     ("regrade", ["{d}/a.json"], {"a.json": "[{]"}, "is not a JSON list of rows: pass a result file of eval.py"),
+    ("show_answers", ["--model", "m", "--data", "{d}/d.jsonl", "--problems", "0,a"], {"d.jsonl": GSM},
+     "--problems takes indices 0 to 0 of"),
+    ("show_answers", ["--model", "m", "--data", "{d}/d.jsonl", "--problems", "0", "--row", "{d}/a.json"],
+     {"d.jsonl": GSM, "a.json": json.dumps([acc_row(model="other", data_sha=GSM_SHA, max_new_tokens=512)])},
+     "its full-cache row of this --data and --max-new-tokens is another model's (other): pass that --model"),
     ("eval", ["plot", "{d}/a.json", "--out", "{d}/f"], {"a.json": DEEP}, "is neither a result file"),
     ("eval", ["plot", "{d}/a.json", "--out", "{d}/f"], {"a.json": json.dumps([dict(plot_rows()[1], kl=float("nan"))])},
      "has a bad 'kl': NaN"),
@@ -3710,8 +3715,8 @@ for bad, why in ((dict(positions=0, heads=[[]]), "it holds no positions"), (dict
 @pytest.mark.parametrize("tool, argv, files, needle", BAD_TOOL_INPUT,
                          ids=[f"{t}-{i}" for i, (t, *_) in enumerate(BAD_TOOL_INPUT)])
 def test_tools_read_through_the_row_checks(tmp_path, capsys, tool, argv, files, needle):
-    """eval.py plot and tools/ (claims, replication, compare_modes, regrade) read every file through the sweeps' own
-    checks (results.read_json, check_row): a missing, truncated, deeply nested or malformed file, a row without a
+    """eval.py plot and tools/ (claims, replication, compare_modes, regrade, show_answers) read every file through the
+    sweeps' own checks (results.read_json, check_row): a missing, truncated, deeply nested or malformed file, a row without a
     field the tool reads, NaN, a budget of 0, a damaged text_z, a bad kept map, --out in a missing folder (before the
     work), --steps 0, an unknown model: one line that starts `error:`, names the file and says what to pass."""
     for name, text in files.items():
