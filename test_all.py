@@ -3358,9 +3358,10 @@ def test_quant_runs_bf16_activations_on_every_cpu(tiny_lab, monkeypatch):
     cli.cpu_threads("cpu", torch.float32, None)
 
 
-def test_quant_threads_and_refusals():
+def test_quant_threads_and_refusals(monkeypatch):
     """Torch keeps one thread on the exact fp32 path only (OpenBLAS has the cores), its own elsewhere; --quant is
     refused off the CPU and with float16, in one line that names the fix."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a machine with a GPU: the advice is about --quant
     cli.cpu_threads("cpu", torch.float32, None)
     assert torch.get_num_threads() == 1
     cli.cpu_threads("cpu", torch.bfloat16, "int4")
