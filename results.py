@@ -1,5 +1,6 @@
 """
-Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress.
+Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress;
+and the one way the tools (tools/, eval.py plot) read rows: checked, and paired only within one setting (one_setting).
 
 A sweep is a list of jobs (dicts of every setting that changes a result); a row is a job plus what was measured.
 Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N slices of the jobs (balanced by their
@@ -19,9 +20,9 @@ import heapq
 import json
 import math
 import os
-import time
 import re
 import tempfile
+import time
 import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
