@@ -3667,6 +3667,10 @@ BAD_TOOL_INPUT = [
      "has no 'protect'"),
     ("claims", ["{d}/a.json"], {"a.json": json.dumps([dict(acc_row(), accuracy=float("nan"))])}, "a bad 'accuracy'"),
     ("claims", ["{d}/a.json"], {"a.json": json.dumps([acc_row("snapkv")])}, "no full-cache accuracy row"),
+    ("claims", ["{d}/a.json"], {"a.json": "[]"}, "hold no accuracy, fidelity, perturbation or probe rows"),
+    ("regrade", ["{d}/a.json"], {"a.json": "[]"}, "holds no accuracy rows"),
+    ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
+        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[])])}, "a.json row 1 (full) holds no problems"),
     ("replication", ["--study", "{d}/nowhere"], {}, "is not a folder"),
     ("replication", ["--study", "{d}"], {"other.json": "[]"}, "holds none of the study's result files"),
     ("replication", ["--study", "{d}"], {"claims_q05.json": "[1]"}, "row 1 is not a row"),

@@ -194,6 +194,9 @@ def main(argv=None):
 def tables(args):
     where = {}  # id(row) -> 'FILE row N', for the messages
     every = read_rows(args.files, where)
+    if not any(r["task"] in (*NEEDS, "probe") for r in every):  # else no table at all, rc 0
+        raise UsageError(f"{', '.join(args.files)} hold no accuracy, fidelity, perturbation or probe rows: "
+                         f"{READ_FIX}")
     rows = rows_of(every, args.files, args.partial, where)
     full = next((r for r in rows if r["policy"] == "full"), None)
     if full is None and rows:

@@ -32,6 +32,9 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     (text_z) has its answer extracted again too; an older one is graded from its stored answer. A problem index outside
     the data file (a hand-edited row: the file's hash is the row's) is refused, naming the row; a negative one would
     count back."""
+    if not row["per_problem"]:
+        raise UsageError(f"{where} ({row['policy']}) holds no problems (its per_problem is empty): rerun its sweep, or "
+                         "delete that row")
     bad = next((p["i"] for p in row["per_problem"] if not 0 <= p["i"] < len(data)), None)
     if bad is not None:
         raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data "
@@ -78,6 +81,8 @@ def main(argv=None):
                 raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
                 rows, out = read_rows(f, NEEDS, READ_FIX), []
+                if not any(r["task"] == "accuracy" for r in rows):  # else it would end in silence, rc 0
+                    raise UsageError(f"{f} holds no accuracy rows: pass result files of eval.py accuracy")
                 for k, r in enumerate(rows, 1):
                     key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
                     if key and key not in read:
@@ -93,6 +98,8 @@ def main(argv=None):
                     out.append(new)
                 if out != rows:
                     write_json(f, out)
+                else:
+                    print(f"{f}: every accuracy row is graded by the current rule already")
     except UsageError as e:
         sys.exit(f"error: {e}")
 
