@@ -21,16 +21,14 @@ With --partial, the sweeps' progress files beside each file are read too (rows m
 pairs use the problems both rows have.
 """
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from results import READ_FIX, check_row, one_setting, read_json, tool_rows  # noqa: E402
 from cli import Parser, UsageError, output_failed  # noqa: E402
+from results import READ_FIX, check_row, one_setting, read_json, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
@@ -178,7 +176,6 @@ ORDER = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epi
 
 
 def main(argv=None):
-    # no prefixes of flags, as cli.Parser (whose one-line errors it shares)
     ap = Parser(description="Print the claims study's tables from its result files.")
     ap.add_argument("files", nargs="+")
     ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")

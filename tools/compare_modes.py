@@ -32,15 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from cli import (Parser, UsageError, check_output, cpu_info, cpu_threads, int_list, load, resolve_device,  # noqa: E402
-                 write_output)
+from cli import (Parser, UsageError, check_output, cpu_info, cpu_threads, int_list, load,  # noqa: E402
+                 resolve_device, write_output)
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
 from kernels import dense  # noqa: E402
 from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weight_files  # noqa: E402
 from policies import POLICIES  # noqa: E402
 from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
-from results import READ_FIX, differs, model_key, one_setting, read_json, tool_rows  # noqa: E402
+from results import differs, model_key, one_setting, read_json, tool_rows  # noqa: E402
 from stats import bootstrap_diff, outcomes, sign_test  # noqa: E402
 from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402

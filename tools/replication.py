@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-from cli import Parser, UsageError, output_failed  # noqa: E402
+from cli import Parser, UsageError  # noqa: E402
 from results import PAIRED, one_setting, tool_rows  # noqa: E402
 from stats import bootstrap_diff, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 
