@@ -101,14 +101,14 @@ def resolve_device(device: str | None, dtype: str | None, quant: str | None = No
         d = None
     if d is None or d.type not in ("cpu", "cuda", "mps"):
         raise UsageError(f"--device {device!r} is not a device nanokv runs on: use cpu, cuda, cuda:N or mps")
-    if quant and d.type != "cpu":
-        raise UsageError(f"--quant runs on the CPU only (torch's {d.type} int4 kernel packs weights another way, which "
-                         f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
-    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():  # first: without it, no advice about cuda
         raise UsageError(f"--device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s); "
                          "use --device cpu or an existing cuda:N")
     if d.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UsageError("--device mps: MPS is not available here; use --device cpu")
+    if quant and d.type != "cpu":
+        raise UsageError(f"--quant runs on the CPU only (torch's {d.type} int4 kernel packs weights another way, which "
+                         f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
     if quant and dtype == "float16":
         raise UsageError("--quant takes --dtype bfloat16 or float32 (the activations' dtype), not float16")
     if dtype:
@@ -223,10 +223,24 @@ def plain_text(model: str | None) -> bool:
 
 def check_output(flag: str, path: str | None):
     """Refuse, before any work, an output file that cannot be written where it is named (None: no such output)."""
+    if path is not None and not path.strip():  # '' would write nothing, silently
+        raise UsageError(f"{flag} is empty: name the file to write, e.g. {flag} out.{flag.rsplit('-', 1)[-1]}")
     if path and Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder: name a file in it")
     if path and not Path(path).resolve().parent.is_dir():
         raise UsageError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
+
+
+def distinct_outputs(**flags: str | None):
+    """Refuse two output flags that name one file (e.g. --html F --kept-json F): the second would overwrite the
+    first. flags: flag name -> its path (None: not given)."""
+    seen = {}
+    for flag, path in flags.items():
+        if path:
+            other = seen.setdefault(Path(path).resolve(), flag)
+            if other != flag:
+                raise UsageError(f"{other} and {flag} both name {path}: the second would overwrite the first; give "
+                                 "each its own file")
 
 
 def write_output(flag: str, path: str, text: str) -> int:
@@ -254,8 +268,22 @@ def output_failed(e: OSError):
     cannot read), or stdout and where it goes (a full disk under `> /dev/full`: the one write that names no file)."""
     what = f"{e.filename}: {e.strerror or e}" if e.filename else (
         f"cannot write to {stdout_target()}: {e.strerror or e}: {write_fix(e)}")
+    if not e.filename and e.errno == errno.ENOSPC and not stdout_full():  # another file's disk is full, not stdout's
+        what = (f"a write failed: {e.strerror} (not stdout's, {stdout_target()}): free some space where nanokv "
+                "writes ($NANOKV_HOME, --out) and rerun")
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
     sys.exit(1 if isinstance(e, BrokenPipeError) else f"error: {what}")
+
+
+def stdout_full() -> bool:
+    """Whether stdout can be what ran out of space: /dev/full, or a file on a disk with no room left (True where the
+    system does not say). A terminal or a file on a disk with room cannot: another write failed."""
+    try:
+        fd = sys.stdout.fileno()
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        return target == "/dev/full" or os.path.isfile(target) and os.fstatvfs(fd).f_bavail == 0
+    except (OSError, ValueError):
+        return True
 
 
 def write_fix(e: OSError) -> str:

@@ -428,12 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        if args.out is not None and not args.out.strip():  # '' would save nothing, silently
+            raise UsageError("--out is empty: name the file (plot: the folder) to write, e.g. --out results/rows.json")
         if args.cmd == "merge":
             return report(*merge(args.out), f"merged into {args.out}")
         if args.cmd == "plot":
             import plot  # matplotlib: imported by this subcommand only
 
-            budgets = int_list("--budgets", args.budgets) if args.budgets else None
+            budgets = int_list("--budgets", args.budgets) if args.budgets is not None else None  # '' is refused
             return print("\n".join(map(str, plot.draw(args.files, args.out, budgets))))
         where, lab = result_file(args.out, args.shard), {}
         if where:

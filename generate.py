@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
 from cache import KVCache
-from cli import (Parser, UsageError, add_device_args, check_output, load, local_model, note, output_failed,
-                 peak_memory_mb, write_output)
+from cli import (Parser, UsageError, add_device_args, check_output, distinct_outputs, load, local_model, note,
+                 output_failed, peak_memory_mb, write_output)
 from model import ModelError
 from policies import N_SINK, POLICIES, Policy, ScoreCtx
 
@@ -360,7 +360,8 @@ def compare_run(args, prompt_len: int) -> Run | None:
     if args.vs and not args.compare:
         raise UsageError(f"--vs {args.vs} names the policy --compare answers with: add --compare")
     if args.vs == args.policy:
-        raise UsageError(f"--vs {args.vs} is the --policy itself: compare it with another, e.g. --vs full")
+        raise UsageError(f"--vs {args.vs} is the --policy itself: compare it with another, e.g. --vs "
+                         f"{'snapkv' if args.vs == 'full' else 'full'}")
     if not args.compare or vs == args.policy and not args.quant:  # --policy full --compare: nothing to compare
         return None
     return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
@@ -399,6 +400,7 @@ def run_cli(args):
     compare_run(args, 1)
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
+    distinct_outputs(**{"--kept-json": args.kept_json, "--html": args.html})
     args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once (--compare --quant loads twice)
     t0 = time.perf_counter()
     note("[load] reading the model ...")

@@ -336,10 +336,10 @@ FLOAT_DTYPES = ("F32", "F64", "F16", "BF16")  # safetensors' names for the dtype
 
 def garbled(name: str, missing: list[str]) -> str | None:
     """Whether an unknown tensor name is a damaged copy of an expected one: the missing name of the same length that
-    differs from it in the fewest characters (at most 4), or "" for a name with bytes no tensor name holds; None for
+    differs from it in the fewest characters (at most 4, or a third of the name), or "" for a name with bytes no tensor name holds; None for
     a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
     near = [(sum(a != b for a, b in zip(m, name)), m) for m in missing if len(m) == len(name)]
-    if near and min(near)[0] <= 4:
+    if near and min(near)[0] <= max(4, len(name) // 3):  # a few bytes overwritten in place (a run of 8 too)
         return min(near)[1]
     return "" if not name.isascii() or not name.isprintable() else None
 
@@ -403,8 +403,34 @@ class Checkpoint:
         self.types, self.kept = {}, set()
         if self.side.is_file():
             with opened(self.side) as f:
-                self.types = json.loads((f.metadata() or {}).get("gguf_types", "{}"))
+                self.types = self.check_side((f.metadata() or {}).get("gguf_types", "{}"),
+                                             {k: f.get_slice(k).get_shape() for k in f.keys()})
                 self.kept = {k.rsplit(".", 1)[0] for k in f.keys()}
+
+    def check_side(self, types: str, got: dict) -> dict:
+        """The side file's GGUF types (name -> type), after checking that it is this model's: its types a JSON object of
+        this model's tensors, and per kept matrix [out, in] its codes [out, in / 2], scales and offsets [out, in / 32].
+        One line naming the file where not (another model's, or damaged), never a traceback in quant.py."""
+        fix = f"{self.side} is not this model's ({{}}): delete it, or for a named model rerun 'python weights.py " \
+            "--force'"
+        try:
+            types = json.loads(types)
+        except (ValueError, RecursionError):
+            types = None
+        if not isinstance(types, dict) or not all(isinstance(v, str) for v in types.values()):
+            raise ModelError(fix.format("its gguf_types is not a JSON object of tensor types"))
+        stray = next((n for n in types if n not in self.shapes), None)
+        if stray:
+            raise ModelError(fix.format(f"it types a tensor {stray!r} that the model does not have"))
+        for key, shape in got.items():
+            name, part = key.rsplit(".", 1) if "." in key else (key, "")
+            if name not in self.shapes or part not in ("q", "scale", "offset"):
+                raise ModelError(fix.format(f"it holds {key!r}, which is no part of the model's matrices"))
+            out, inp = self.shape(name)
+            want = [out, inp // 2] if part == "q" else [out, inp // 32]
+            if list(shape) != want:
+                raise ModelError(fix.format(f"{key} has shape {list(shape)}, where {name} {[out, inp]} needs {want}"))
+        return types
 
     def shape(self, name: str) -> tuple:
         return tuple(self.shapes[name][1])

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from cli import UsageError
-from results import check_row
+from results import PAIRED, check_row, differs, parse_json
 from stats import bootstrap_diff, outcomes
 
 MARKERS = "osD^v<>ph*"
@@ -60,14 +60,11 @@ def read(paths: list[str]) -> tuple[list[dict], list[dict]]:
         if not p.is_file():
             raise UsageError(f"{p} is not a file: pass result files of eval.py (its --out) or of generate.py "
                              "--kept-json")
-        try:
-            obj = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            obj = None
+        obj = parse_json(p)  # None where it is not JSON
         if isinstance(obj, list):
             for i, row in enumerate(obj):
                 check_row(row, f"{p} row {i + 1}", NEEDS)
-            rows += obj
+            rows += [r for r in obj if r["task"] in NEEDS]  # what the figures draw; a probe row has no figure
         elif isinstance(obj, dict) and obj.get("kind") == "kept":
             maps.append(check_map(obj, p))
         else:
@@ -84,6 +81,15 @@ def check_map(m: dict, where: Path) -> dict:
     if not ok:
         raise UsageError(f"{where}: a kept map needs positions, prompt_len, buffer, layer and heads (per KV head the "
                          "positions it holds): write it again with generate.py --kept-json")
+    n, P, r = m["positions"], m["prompt_len"], m["buffer"]
+    twice = [h for h, held in enumerate(m["heads"]) if len(set(held)) < len(held)]
+    bad = ("it holds no positions" if n < 1 else f"its prompt ({P} tokens) is not within its {n} positions"
+           if not 0 <= P <= n else f"its buffer {r} is not within its {n} positions" if not 0 <= r <= n
+           else f"its layer is {m['layer']}" if m["layer"] < 0 else f"KV head {twice[0]} holds a position twice"
+           if twice else None)
+    if bad:
+        raise UsageError(f"{where}: not a map generate.py --kept-json writes ({bad}): write it again with "
+                         "generate.py --kept-json")
     return m
 
 
@@ -127,8 +133,8 @@ def budget_series(rows: list[dict], task: str) -> dict[str, list[tuple]]:
 
 
 def same_problems(full: dict, row: dict) -> bool:
-    keys = ("data_sha", "model", "max_new_tokens", "device", "dtype", "template")  # template: absent, or "none"
-    return all(full.get(k) == row.get(k) for k in keys)
+    """Whether row pairs with this full-cache row: one model, mode, data file and n (results.PAIRED), one cap."""
+    return not differs(full, row, PAIRED + ("max_new_tokens",))
 
 
 def bench_series(rows: list[dict]) -> dict[str, list[tuple]]:
@@ -166,7 +172,7 @@ def draw(paths: list[str], out: str, budgets: list[int] | None = None) -> list[P
     these K (the full cache's too, which has none), e.g. one budget of a sweep, as a row per line."""
     rows, maps = read(paths)
     if budgets:
-        rows = [r for r in rows if r["budget"] is None or r["budget"] in budgets]
+        rows = [r for r in rows if r.get("budget") is None or r["budget"] in budgets]
     lines = {task: budget_series(rows, task) for task in ("fidelity", "accuracy")}
     bench = bench_series(rows)
     if not any(lines.values()) and not bench and not maps:

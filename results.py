@@ -1,5 +1,6 @@
 """
-Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress.
+Result files of eval.py's sweeps: row keys, shards and their merge, atomic writes, row validation, per-job progress;
+and the one way the tools (tools/, eval.py plot) read rows: checked, and paired only within one setting (one_setting).
 
 A sweep is a list of jobs (dicts of every setting that changes a result); a row is a job plus what was measured.
 Rows go to --out, a JSON list; with --shard I/N a process runs the I-th of N slices of the jobs (balanced by their
@@ -14,12 +15,15 @@ one machine only; two merges at once on one machine are safe: the second finds t
 import argparse
 import base64
 import fcntl
+import glob
 import hashlib
 import heapq
 import json
+import math
 import os
 import re
 import tempfile
+import time
 import zlib
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -88,8 +92,9 @@ def differ(a: list[dict], b: list[dict]) -> str:
 # -----------------------------------------------------------------------------
 # rows are checked when read: a hand-edited field is named, never a traceback later
 
-num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # NaN is no measure
 integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+positive = lambda v: integer(v) and v >= 1
 flag = lambda v: isinstance(v, bool)
 text = lambda v: isinstance(v, str)
 list_of = lambda ok: lambda v: isinstance(v, list) and all(map(ok, v))
@@ -105,11 +110,14 @@ problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLE
 TRACE = {"kl": num, "top1": num, "gap": num, "tokens": integer, "evictions": integer, "kept": num}  # fidelity's sums
 trace = lambda t: isinstance(t, dict) and t.keys() == TRACE.keys() and all(ok(t[k]) for k, ok in TRACE.items())
 FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value
-    "task": text, "policy": text, "budget": maybe(integer), "kl": num, "accuracy": num, "context": integer,
+    "task": text, "policy": text, "budget": maybe(positive), "kl": num, "accuracy": num, "context": integer,
     "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num), "per_trace": list_of(trace),
     "per_problem": list_of(problem), "recall_by_probe": list_of(num), "l1_window_by_head": maybe(list_of(list_of(num))),
     "l1_next_by_head": maybe(list_of(list_of(num))), "sets": list_of(list_of(integer)), "recall_by_set": list_of(num),
-    "logprob_by_set": list_of(num),
+    "logprob_by_set": list_of(num), "model": text, "data": text, "data_sha": text, "n": positive,
+    "buffer": maybe(integer), "protect": maybe(flag), "top1": num, "nll_gap": num, "tokens": integer, "recall": num,
+    "logprob": num, "heads": integer, "gap_tokens": num, "l1_window": maybe(num), "l1_next": maybe(num),
+    "better_window": maybe(num), "better_next": maybe(num),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
@@ -138,27 +146,77 @@ def unpack_text(z: str) -> str:
     return zlib.decompress(base64.b64decode(z)).decode("utf-8", "surrogatepass")
 
 
-def read_json(path: Path, kind: type):
-    """A JSON file's content, which must be a `kind` (list or dict); one-line errors."""
+def parse_json(path: Path):
+    """A JSON file's content, or None where it is not JSON (damaged, truncated, not UTF-8, nested too deeply to
+    decode); a folder or a file that cannot be read is one line."""
     if path.is_dir():
         raise UsageError(f"{path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
-        obj = None
+        return None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
+def read_json(path: Path, kind: type, fix: str = "move it away or pick another --out"):
+    """A JSON file's content, which must be a `kind` (list or dict); one-line errors that end in `fix`."""
+    obj = parse_json(path)
     if not isinstance(obj, kind):
-        raise UsageError(f"{path} is not {'a JSON list of rows' if kind is list else 'a JSON object'}: "
-                         "move it away or pick another --out")
+        raise UsageError(f"{path} is not {'a JSON list of rows' if kind is list else 'a JSON object'}: {fix}")
     return obj
 
 
-def read_rows(path: Path | None) -> list[dict]:
-    rows = read_json(path, list) if path and path.exists() else []
+def read_rows(path: Path | None, needs: dict[str, tuple] | None = None,
+              fix: str = "move it away or pick another --out") -> list[dict]:
+    rows = read_json(path, list, fix) if path and path.exists() else []
     for i, row in enumerate(rows):
-        check_row(row, f"{path} row {i + 1}")
+        check_row(row, f"{path} row {i + 1}", needs)
     return rows
+
+
+# -----------------------------------------------------------------------------
+# what the tools read (tools/, eval.py plot): every file through read_json and check_row; pairs of one setting only
+
+READ_FIX = "pass a result file of eval.py (its --out)"
+PAIRED = ("model", "device", "dtype", "quant", "template", "data_sha", "n")  # a model, a mode, a data file, an n
+
+
+def tool_rows(paths, needs: dict[str, tuple] | None = None, where: dict | None = None) -> list[dict]:
+    """The rows of result files that a tool reads, each checked as the sweeps check theirs (check_row, with the
+    fields the tool needs per task); a file that is missing, a folder, damaged or not a list of rows is one line.
+    where: filled with id(row) -> 'FILE row N', for the messages of `one_setting`."""
+    rows = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise UsageError(f"no file {p}: {READ_FIX}")
+        for i, row in enumerate(read_rows(p, needs, READ_FIX)):
+            rows.append(row)
+            if where is not None:
+                where[id(row)] = f"{p} row {i + 1}"
+    return rows
+
+
+def differs(a: dict, b: dict, keys=PAIRED) -> str | None:
+    """The first of keys in which two rows differ, or None."""
+    return next((k for k in keys if a.get(k) != b.get(k)), None)
+
+
+def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = None):
+    """Refuse rows that a tool would pair (problem by problem, trace by trace) but that do not share a model, a mode
+    (device, dtype, quant, template), a data file and an n: their differences would measure the setting, not the
+    policy. One line, naming the field, two rows and their values; and a row without problems. what: e.g. 'the
+    accuracy rows'. The one check of every tool that pairs rows (tools/claims.py, replication.py, compare_modes.py)."""
+    name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
+    for r in rows:
+        k = differs(rows[0], r, keys)
+        if k:
+            raise UsageError(f"{what} do not share one setting: {name(rows[0])} has {k} {json.dumps(rows[0].get(k))}, "
+                             f"{name(r)} {json.dumps(r.get(k))}; a pair compares policies on one model, mode, data "
+                             "file and n: pass the files of one setting")
+        if "per_problem" in r and not r["per_problem"]:
+            raise UsageError(f"{name(r)} holds no problems (its per_problem is empty): rerun its sweep, or delete "
+                             "that row")
 
 
 # -----------------------------------------------------------------------------
@@ -195,6 +253,10 @@ def check_writable(path: Path):
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     probe = path.with_name(path.name + ".probe")
+    for stale in path.parent.glob(glob.escape(probe.name) + ".*.tmp"):  # a check killed mid-write left it (0 bytes)
+        with suppress(OSError):
+            if stale.stat().st_size == 0 and time.time() - stale.stat().st_mtime > 60:  # not one being written now
+                stale.unlink()
     write_json(probe, [])
     probe.unlink()
 
@@ -250,7 +312,8 @@ def plan(costs: list[float], n: int) -> list[int]:
     """Which shard (1 .. n) runs each job: the dearest job first, each to the shard with the least cost so far (ties:
     the lower shard), as in LPT scheduling. A pure function of the costs, so every shard and merge agree.
     e.g. costs [3, 1, 2, 2], n = 2: 3 -> shard 1, 2 -> 2, 2 -> 2 (2 < 3), 1 -> 1 (3 < 4): [1, 1, 2, 2], 4 and 4."""
-    loads = [(0.0, s) for s in range(1, n + 1)]  # a heap of (cost so far, shard)
+    # a heap of (cost so far, shard); past len(costs) shards the rest get no job, so they need no place in it
+    loads = [(0.0, s) for s in range(1, min(n, len(costs)) + 1)]
     owner = [0] * len(costs)
     for j in sorted(range(len(costs)), key=lambda j: -costs[j]):  # stable: equal costs keep job order
         load, s = heapq.heappop(loads)

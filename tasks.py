@@ -30,9 +30,11 @@ def grading(rows: list[dict]) -> int:
 def load_data(path: str) -> list[dict]:
     """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
     if not Path(path).is_file():
-        raise UsageError(f"data file {path} does not exist (the shipped sets are in data/, see data/README.md)")
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        what = "is not a regular file (a pipe or a device: save it to a file first)" if Path(path).exists() \
+            else "does not exist"
+        raise UsageError(f"data file {path} {what} (the shipped sets are in data/, see data/README.md)")
+    try:  # lines end at \n only: U+2028 or U+0085 inside a question is valid JSON, which str.splitlines would cut
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}): pass a jsonl file") from None
     rows = []
@@ -49,6 +51,13 @@ def load_data(path: str) -> list[dict]:
         if not isinstance(q, str) or "answer" not in row:
             missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"
             raise UsageError(f"{path} line {i}: missing field {missing}")
+        if not q.strip():  # as generate.py refuses an empty --prompt
+            raise UsageError(f"{path} line {i}: the question is empty: fix or delete that line")
+        if rows and ("####" in str(row["answer"])) != ("####" in rows[0]["answer"]):  # graded by one rule (GRADING)
+            kind = lambda a: "GSM8K's ('#### N')" if "####" in a else "MATH's (LaTeX)"
+            raise UsageError(f"{path} line {i}: its answer is {kind(str(row['answer']))}, the first row's "
+                             f"{kind(rows[0]['answer'])}: a data file holds one kind of problem, graded by one rule; "
+                             "split it into two files")
         rows.append({"question": q, "answer": str(row["answer"]), "solution": row.get("solution", str(row["answer"]))})
     if not rows:
         raise UsageError(f"data file {path} has no rows")

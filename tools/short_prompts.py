@@ -35,7 +35,8 @@ def main(argv=None):
         path = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model, fetch=False)
         tok = Tokenizer(path)
         rows = load_data(args.data)
-        lines = [line for line in Path(args.data).read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = Path(args.data).read_text(encoding="utf-8")
+        lines = [line for line in text.split("\n") if line.strip()]  # at \n only, as load_data
         fit = [i for i, r in enumerate(rows) if len(ask(tok, r["question"])) <= args.max_prompt][: args.n]
         if len(fit) < args.n:
             raise UsageError(f"{args.data} has {len(fit)} problems with prompts of at most {args.max_prompt} tokens, "
