@@ -1,0 +1,106 @@
+"""
+Refill against batches that drain, side by side in one process: one accuracy job (eval.py's own code) run in each
+mode on the same model, its wall and CPU time, its decode steps and how many rows each step decoded.
+
+    OMP_NUM_THREADS=2 python tools/refill_bench.py --modes no-refill:16,refill:16,refill:32 --model \
+        qwen2.5-coder-1.5b --quant int4 --policies snapkv --budgets 192 --buffer 16 --protect-prompt --n 32 \
+        --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/refill_q15.jsonl
+
+Every other flag is eval.py accuracy's (one policy and one budget: the full-cache reference row is not run). Live
+rows per step (row-steps / decode steps) measures the batch's fullness, which does not depend on the machine's load;
+the times do, so the modes run one after the other in one process, the model loaded once, and the CPU and the load
+average are printed beside them. Each mode's graded outcomes and answer texts are compared with the first mode's.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+import eval as ev  # noqa: E402
+from cli import UsageError, cpu_info  # noqa: E402
+from model import ModelError  # noqa: E402
+
+
+def parse_modes(text: str) -> list[tuple[bool, int]]:
+    """'no-refill:16,refill:32' -> [(False, 16), (True, 32)]."""
+    modes = []
+    for part in text.split(","):
+        kind, _, size = part.partition(":")
+        if kind not in ("refill", "no-refill") or not size.isdigit() or int(size) < 1:
+            raise UsageError(f"--modes takes refill:N or no-refill:N, comma-separated (got {part!r})")
+        modes.append((kind == "refill", int(size)))
+    return modes
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if "--modes" not in argv:
+            raise UsageError("give --modes, e.g. --modes no-refill:16,refill:16")
+        at = argv.index("--modes")
+        modes = parse_modes(argv[at + 1])
+        out = argv[argv.index("--out") + 1] if "--out" in argv else None
+        argv = [a for i, a in enumerate(argv) if i not in (at, at + 1)]
+        if out:
+            argv = [a for a in argv if a not in ("--out", out)]
+        args = ev.build_parser().parse_args(["accuracy", *argv])
+        args.batch_size = modes[0][1]
+        jobs = ev.make_jobs(args)[1:]  # not the full cache's reference row
+        if len(jobs) != 1:
+            raise UsageError(f"name one policy and one budget (got {len(jobs)} jobs)")
+        lab, first, info = {}, None, cpu_info()
+        ev.check_jobs(args, jobs, lab)
+        print(f"CPU: {info['cpu']}, {info['capability']}, {' '.join(info['flags'])}; "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+        print("| mode | batch | wall s | CPU s | decode steps | live rows / step | accuracy | outcomes as first | "
+              "texts as first | load before, after |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for refill, size in modes:
+            args.refill, args.batch_size = refill, size
+            job = ev.make_jobs(args)[1]
+            spent = {"steps": 0, "row_steps": 0}
+            real = {name: getattr(ev, name) for name in ("generate", "generate_refill")}
+
+            def counted(fn):  # adds each call's decode steps and rows to spent
+                def call(*a, **kw):
+                    res = fn(*a, **kw)
+                    t = res[-1]
+                    spent["steps"] += t["steps"]
+                    spent["row_steps"] += t["row_steps"]
+                    return res
+                return call
+
+            for name, fn in real.items():
+                setattr(ev, name, counted(fn))
+            load0 = os.getloadavg()[0]
+            w0, c0 = time.perf_counter(), time.process_time()
+            try:
+                row = ev.accuracy(args, job, lab)
+            finally:
+                for name, fn in real.items():
+                    setattr(ev, name, fn)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            per = row["per_problem"]
+            first = first or per
+            same = sum(a["correct"] == b["correct"] for a, b in zip(per, first))
+            texts = sum(a["text_z"] == b["text_z"] for a, b in zip(per, first))
+            live = spent["row_steps"] / max(spent["steps"], 1)
+            print(f"| {'refill' if refill else 'no-refill'} | {size} | {wall:.0f} | {cpu:.0f} | {spent['steps']} | "
+                  f"{live:.2f} | {row['accuracy']:.3f} | {same}/{len(per)} | {texts}/{len(per)} | "
+                  f"{load0:.1f}, {os.getloadavg()[0]:.1f} |", flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps({**job, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), **spent,
+                                        "live_rows": round(live, 3), "cpu": info["cpu"], "load": load0,
+                                        **{k: v for k, v in row.items() if k != "per_problem"},
+                                        "correct": [p["correct"] for p in per]}) + "\n")
+    except (ModelError, UsageError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
