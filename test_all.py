@@ -3704,3 +3704,21 @@ def test_accuracy_refill_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, sh
     drop = lambda rows: [{k: v for k, v in r.items() if k != "refill"} for r in rows]
     assert drop(a) == c  # fp32: the same outcomes, problem by problem
     assert not list(tmp_path.glob("*progress*"))
+
+
+def test_lane_hours_spans():
+    """tools/lane_hours.py: a step closes at its end line or at a stop line naming its lane; a step a sitting left
+    without either is open up to the lane's next start; a lane left running past a stop line stays running."""
+    tool = load_tool("lane_hours")
+    log = ["2026-12-02T10:00:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): start python eval.py one",
+           "2026-12-02T10:00:00Z lane B: start python eval.py two",
+           "2026-12-02T11:30:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): end (rc 0) python eval.py one",
+           "2026-12-02T11:30:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): start python eval.py three",
+           "2026-12-02T12:00:00Z lanes stopped by hand (lane A's fidelity step left running to finish)",
+           "2026-12-02T12:15:00Z lane A's fidelity step ended",
+           "2026-12-02T20:00:00Z lane B: start python eval.py four",
+           "2026-12-02T20:45:00Z lane B stopped by hand"]
+    got = [(lane, (t1 - t0).total_seconds() / 60, closed, what) for lane, t0, t1, closed, what in tool.spans(log)]
+    assert got == [("A", 90, True, "python eval.py one"), ("B", 120, True, "python eval.py two"),
+                   ("A", 45, True, "python eval.py three"), ("B", 45, True, "python eval.py four")]
+    assert [c for *_, c, _ in tool.spans(log[:2] + log[6:7])] == [False]  # B restarted without an end: open
