@@ -151,9 +151,10 @@ def accuracy(args, job: dict, lab: dict) -> dict:
     rows = load_data(args.data)[: args.n]
     progress = Progress(result_file(args.out, args.shard), job)
     done = progress.part.get("per_problem", [])  # the finished problems' outcomes, in problem order
-    if sorted({p["i"] for p in done}) != [p["i"] for p in done] or not set(p["i"] for p in done) <= set(range(len(rows))):
+    saved = [p["i"] for p in done]
+    if sorted(set(saved)) != saved or not set(saved) <= set(range(len(rows))):
         raise UsageError(f"{progress.path} holds problems twice or out of range: delete it and rerun")
-    left = sorted(set(range(len(rows))) - {p["i"] for p in done})  # in problem order
+    left = sorted(set(range(len(rows))) - set(saved))  # in problem order
     where = made_on(model.model.embed_tokens.weight.device)
     steps = row_steps = 0
 
@@ -393,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversations (fidelity, perturbation)")
     shared.add_argument("--max-new-tokens", type=int, default=512, help="cap on each generated answer")
     shared.add_argument("--batch-size", type=int, default=None, help="problems (accuracy: rows live at once, see "
-                        "--refill) or conversations decoded together (default: 16 on CPU, 64 on CUDA); in fp32 the tokens do not depend on it, but bf16 "
+                        "--refill) or conversations decoded together (default: 16 on CPU, 64 on CUDA); in fp32 the "
+                        "tokens do not depend on it, but bf16 "
                         "matmuls may round differently, so it is part of a row's key")
     ap = Parser(description="Evaluate KV-cache eviction policies against the full cache.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench", "merge", "plot"]) + "}")

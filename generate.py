@@ -12,10 +12,9 @@ row's place goes to the next prompt, prefilled apart and copied in. Left out: sp
 
 Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
 (`evict_round`, `evict_due`, `feed`, `sample`, `generate`), then the refilling batch (`generate_refill`, `join`);
-the CLI (`build_parser`, `main`, `run_cli`,
-`compare_run`, `divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what
-the cache kept, drawn (--show-kept's map, --kept-json, the --html page that records every round through Run.watch),
-is in viewer.py.
+the CLI (`build_parser`, `main`, `run_cli`, `compare_run`, `divergence`). What every command line shares (devices,
+loading, one-line errors) is in cli.py; what the cache kept, drawn (--show-kept's map, --kept-json, the --html page
+that records every round through Run.watch), is in viewer.py.
 """
 
 import argparse
@@ -120,6 +119,7 @@ def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCa
 
 
 def empty_cache(model, run: Run, batch: int, capacity: int) -> KVCache:
+    """`batch` empty rows of `capacity` slots, laid out for the model and run's policy; run's state is left alone."""
     cfg, w = model.cfg, model.model.embed_tokens.weight
     return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
                    n_q_heads=cfg.num_attention_heads, window=run.ring, side=run.policy.side,

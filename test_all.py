@@ -3622,7 +3622,7 @@ def refill_rows(model, name, batch_size, prompts=REFILL, n=40, **kw):
     joined_mid_eviction, real = [], G.join
 
     def join(model, cache, run, *a):
-        joined_mid_eviction.append(any(run.rounds[row] > 0 for row in cache.rows if cache.length[cache.rows.index(row)]))
+        joined_mid_eviction.append(any(run.rounds[row] > 0 for row in cache.rows))  # a live row has evicted
         return real(model, cache, run, *a)
 
     G.join = join
@@ -3698,7 +3698,8 @@ def test_accuracy_refill_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, sh
     ev.main(argv + ["--out", str(tmp_path / "b.json")])
     ev.main(argv + ["--no-refill", "--out", str(tmp_path / "c.json")])
     where = lambda f: R.result_file(str(tmp_path / f), R.shard_arg(shard[1]) if shard else None)
-    a, b, c = (R.read_shard(where(f))["rows"] if shard else R.read_rows(where(f)) for f in ("a.json", "b.json", "c.json"))
+    read = lambda f: R.read_shard(where(f))["rows"] if shard else R.read_rows(where(f))
+    a, b, c = read("a.json"), read("b.json"), read("c.json")
     assert a == b and [p["i"] for p in a[-1]["per_problem"]] == [0, 1, 2, 3, 4]
     assert all(r["refill"] for r in a) and not any("refill" in r for r in c)
     drop = lambda rows: [{k: v for k, v in r.items() if k != "refill"} for r in rows]
