@@ -3723,3 +3723,19 @@ def test_lane_hours_spans():
     assert got == [("A", 90, True, "python eval.py one"), ("B", 120, True, "python eval.py two"),
                    ("A", 45, True, "python eval.py three"), ("B", 45, True, "python eval.py four")]
     assert [c for *_, c, _ in tool.spans(log[:2] + log[6:7])] == [False]  # B restarted without an end: open
+
+
+def test_refill_bench_replays_the_step_counts(tiny):
+    """tools/refill_bench.py steps replays both loops from the answers' lengths alone: the decode steps and rows of
+    generate_refill at 2 and 3 live rows, and of generate in batches of 2, on the tiny model; and the hand case."""
+    tool = load_tool("refill_bench")
+    assert tool.refill_steps([3, 1, 2], 2) == (2, 3) and tool.batch_steps([3, 1, 2], 2) == (3, 3)
+    for size in (2, 3):
+        outs, t, _ = refill_rows(tiny, "snapkv", size)
+        assert tool.refill_steps([len(o) for o in outs], size) == (t["steps"], t["row_steps"])
+    steps = rows = 0
+    for i in range(0, len(REFILL), 2):
+        run = G.make_run("snapkv", 24, 8, False, [len(p) for p in REFILL[i : i + 2]], seed=3)
+        _, _, tb = G.generate(tiny, REFILL[i : i + 2], run, 40, eos_ids=REFILL_EOS)
+        steps, rows = steps + tb["steps"], rows + tb["row_steps"]
+    assert tool.batch_steps([len(o) for o in outs], 2) == (steps, rows)

@@ -6,6 +6,12 @@ mode on the same model, its wall and CPU time, its decode steps and how many row
         qwen2.5-coder-1.5b --quant int4 --policies snapkv --budgets 192 --buffer 16 --protect-prompt --n 32 \
         --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/refill_q15.jsonl
 
+    python tools/refill_bench.py steps results/study/curve_q15.json snapkv 192 --batch-sizes 16,24,32
+
+steps: what refill would have saved on a finished sweep, from its answers' lengths alone: the decode steps and live
+rows per step of --no-refill at the row's batch size against refill at each of --batch-sizes (both loops replayed
+step by step as generate and generate_refill run them), on the first 32 problems and on all.
+
 Every other flag is eval.py accuracy's (one policy and one budget: the full-cache reference row is not run). Live
 rows per step (row-steps / decode steps) measures the batch's fullness, which does not depend on the machine's load;
 the times do, so the modes run one after the other in one process, the model loaded once, and the CPU and the load
@@ -36,9 +42,52 @@ def parse_modes(text: str) -> list[tuple[bool, int]]:
     return modes
 
 
+def refill_steps(lengths: list[int], size: int) -> tuple[int, int]:
+    """(decode steps, rows they decoded) of generate_refill on answers of these lengths (tokens each, first one from
+    the prefill), at most `size` rows live, e.g. [3, 1, 2] at 2 rows: step 1 decodes the first row alone (the
+    1-token answer ended at its prefill, and the third takes its place), step 2 the first and the third: (2, 3)."""
+    queue, live, steps, rows = list(lengths), [], 0, 0
+    while True:
+        while queue and len(live) < size:
+            live.append(queue.pop(0))  # remaining tokens to sample, the first from its prefill
+        live = [n - 1 for n in live if n > 1]  # every live row samples a token; the ended ones leave
+        if not live and not queue:
+            return steps, rows
+        if live:  # the rows that go on take one decode step together
+            steps, rows = steps + 1, rows + len(live)
+
+
+def batch_steps(lengths: list[int], size: int) -> tuple[int, int]:
+    """(decode steps, rows they decoded) of generate on batches of `size` in order, each until its longest ends."""
+    batches = [lengths[i : i + size] for i in range(0, len(lengths), size)]
+    return sum(max(b) - 1 for b in batches), sum(n - 1 for b in batches for n in b)
+
+
+def steps_main(argv: list[str]):
+    if len(argv) < 3:
+        raise UsageError("steps takes FILE POLICY K (K: none for the full cache) [--batch-sizes 16,24,32]")
+    path, policy, K = argv[0], argv[1], None if argv[2].lower() == "none" else int(argv[2])
+    sizes = [int(x) for x in argv[argv.index("--batch-sizes") + 1].split(",")] if "--batch-sizes" in argv else [16]
+    rows = [r for r in json.load(open(path)) if r.get("policy") == policy and r.get("budget") == K]
+    if not rows:
+        raise UsageError(f"{path} has no {policy} row at K = {K}")
+    lengths, size = [p["tokens"] for p in rows[0]["per_problem"]], rows[0]["batch_size"]
+    print(f"{path}: {policy}, K = {K}, mean answer {sum(lengths) / len(lengths):.0f} tokens")
+    print("| problems | --no-refill at its batch size: steps, live rows / step | refill at | steps, live rows / step "
+          "| fewer steps |")
+    print("|---|---|---|---|---|")
+    for n in sorted({min(32, len(lengths)), len(lengths)}):
+        s0, r0 = batch_steps(lengths[:n], size)
+        for b in sizes:
+            s1, r1 = refill_steps(lengths[:n], b)
+            print(f"| {n} | {size}: {s0}, {r0 / s0:.2f} | {b} | {s1}, {r1 / s1:.2f} | {s0 / s1:.2f}x |")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["steps"]:
+            return steps_main(argv[1:])
         if "--modes" not in argv:
             raise UsageError("give --modes, e.g. --modes no-refill:16,refill:16")
         at = argv.index("--modes")
