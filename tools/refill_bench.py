@@ -8,6 +8,14 @@ mode on the same model, its wall and CPU time, its decode steps and how many row
 
     python tools/refill_bench.py steps results/study/curve_q15.json snapkv 192 --batch-sizes 16,24,32
 
+    OMP_NUM_THREADS=2 python tools/refill_bench.py rows --model qwen2.5-coder-1.5b --quant int4 --rows 4,8,16,24 \
+        --sweep results/study/curve_q15.json snapkv 192
+
+rows: what a decode step costs against its live rows, measured side by side (decoders of each size take turns of 8
+greedy steps, snapkv at K = 192, r = 16, the prompt protected, as the sweeps run), fitted as a + b x rows; with
+--sweep, the time each loop of `steps` would take on that sweep's answers (refill charged one fixed part a more for
+each newcomer's own prefill), and their ratio: refill saves steps, i.e. their fixed part a, so it pays where a step's
+cost grows slowly with its rows.
 steps: what refill would have saved on a finished sweep, from its answers' lengths alone: the decode steps and live
 rows per step of --no-refill at the row's batch size against refill at each of --batch-sizes (both loops replayed
 step by step as generate and generate_refill run them), on the first 32 problems and on all.
@@ -83,11 +91,61 @@ def steps_main(argv: list[str]):
             print(f"| {n} | {size}: {s0}, {r0 / s0:.2f} | {b} | {s1}, {r1 / s1:.2f} | {s0 / s1:.2f}x |")
 
 
+def rows_main(argv: list[str]):
+    import torch
+
+    import bench
+    from cli import load
+
+    opt = lambda flag, default: argv[argv.index(flag) + 1] if flag in argv else default
+    sizes = [int(x) for x in opt("--rows", "4,8,16,24").split(",")]
+    turns, k = 4, 8
+    model, _ = load(opt("--model", None), "cpu", None, opt("--quant", None))
+    o = {"context": 448, "policy": "snapkv", "budget": 192, "buffer": 16, "protect": True, "prompt_len": 128,
+         "seed": 0}
+    took = dict.fromkeys(sizes, 0.0)
+    with torch.inference_mode():
+        dec = {b: list(bench.decoder(model, o, b, turns * k)) for b in sizes}  # b -> [run, cache, logits]
+        for turn in range(turns):  # who goes first alternates, so every size sees the same machine
+            for b in sizes if turn % 2 == 0 else sizes[::-1]:
+                run, cache, logits = dec[b]
+                t0 = time.perf_counter()
+                dec[b][2] = bench.greedy(model, cache, run, logits, k)
+                took[b] += time.perf_counter() - t0
+    ms = {b: took[b] / (turns * k) * 1e3 for b in sizes}
+    n, mx, my = len(sizes), sum(sizes) / len(sizes), sum(ms.values()) / len(sizes)
+    slope = sum((b - mx) * (ms[b] - my) for b in sizes) / sum((b - mx) ** 2 for b in sizes)
+    a = my - slope * mx
+    info = cpu_info()
+    print(f"CPU: {info['cpu']}, {info['capability']}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; torch "
+          f"threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.1f}")
+    print("| live rows | ms per decode step | ms per row |\n|---|---|---|")
+    for b in sizes:
+        print(f"| {b} | {ms[b]:.0f} | {ms[b] / b:.1f} |")
+    print(f"fit: {a:.0f} ms + {slope:.1f} ms x rows")
+    if "--sweep" in argv:
+        at = argv.index("--sweep")
+        path, policy, K = argv[at + 1], argv[at + 2], None if argv[at + 3].lower() == "none" else int(argv[at + 3])
+        r = next(r for r in json.load(open(path)) if r.get("policy") == policy and r.get("budget") == K)
+        lengths = [p["tokens"] for p in r["per_problem"]]
+        for n_p in sorted({min(32, len(lengths)), len(lengths)}):
+            s0, r0 = batch_steps(lengths[:n_p], r["batch_size"])
+            t0 = (a * s0 + slope * r0) / 1e3
+            for b in sizes:
+                s1, r1 = refill_steps(lengths[:n_p], b)
+                # + the prefills: a forward per newcomer (at worst one each) where the batches had one per batch
+                t1 = (a * s1 + slope * r1 + a * (n_p - -(-n_p // r["batch_size"]))) / 1e3
+                print(f"{n_p} problems: --no-refill at {r['batch_size']} {t0 / 60:.1f} min of decode steps, refill at "
+                      f"{b} {t1 / 60:.1f} min: {t0 / t1:.2f}x")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["steps"]:
             return steps_main(argv[1:])
+        if argv[:1] == ["rows"]:
+            return rows_main(argv[1:])
         if "--modes" not in argv:
             raise UsageError("give --modes, e.g. --modes no-refill:16,refill:16")
         at = argv.index("--modes")
