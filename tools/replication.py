@@ -32,7 +32,8 @@ from stats import bootstrap_diff, holm, interval, outcomes, sign_test, spread_di
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 MARGIN = 0.06  # a claim of parity in accuracy holds when a is at most this far below b (as --quant's check)
-SETTING = ("model", "data_sha", "n", "max_new_tokens", "dtype", "quant", "seed", "batch_size", "min_tokens", "long")
+SETTING = ("model", "data_sha", "n", "max_new_tokens", "dtype", "quant", "seed", "batch_size", "refill", "min_tokens",
+           "long")
 
 
 def rows_of(paths: list[Path], task: str, key) -> dict:
