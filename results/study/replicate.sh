@@ -24,7 +24,8 @@ step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
 # rows were made without it, so its accuracy sweeps pass --no-refill: rerun, it resumes and reports its own rows rather
 # than computing every one again. A new study (the seeds' baselines) should drop --no-refill, and compare its rows
 # with these only as a new mode's (RESULTS.md, issue 53: in bf16 a row's tokens depend on the rows beside it, and on
-# the 135M 19 of 32 answers changed; refill decodes the same answers in 1.65x fewer steps at batch 16 on 100 problems).
+# the 135M 19 of 32 answers changed). Refill takes 1.65x fewer decode steps at batch 16 on 100 GSM8K problems, but
+# int4's step here costs about the same per row at any batch size: 1.04x less time on an AMD EPYC without AMX.
 NR=--no-refill
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16"
 # the 0.5B's 200 problems: K = 208, r = 16 (the longest protected prompt, 178 tokens, fits K - r = 192; a median
