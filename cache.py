@@ -135,6 +135,15 @@ class KVCache:
         self.length, self.next_pos, self.rows = ([x[b] for b in keep] for x in (self.length, self.next_pos, self.rows))
         self.views()
 
+    def put_row(self, b: int, src: "KVCache", j: int):
+        """Make batch row b a copy of src's row j, every slot and its state (caches of one capacity): a request
+        prefilled on its own takes the place a finished row left (generate.generate_refill)."""
+        self.k[:, b], self.v[:, b], self.pos[:, b] = src.k[:, j], src.v[:, j], src.pos[:, j]
+        for name, side in self.side.items():
+            side[:, b] = src.side[name][:, j]
+        self.q_ring[:, b], self.q_pos[b] = src.q_ring[:, j], src.q_pos[j]
+        self.length[b], self.next_pos[b], self.rows[b] = src.length[j], src.next_pos[j], src.rows[j]
+
     def protected(self, layer: int, rows: slice, protect_below: Tensor, n_recent: int) -> Tensor:
         """[n, H_kv, S] bool: the slots of batch rows `rows` (n rows, each holding S slots) that always survive:
         positions below each row's protect_below [n] and the newest n_recent."""

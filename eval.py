@@ -8,8 +8,8 @@ Each subcommand is a list of jobs, one per (policy, budget, ...), run by one dri
 and saves each finished row (results.py): into --out, so an interrupted sweep resumes where it stopped, or with
 --shard I/N into a file of the shard's own, for `eval.py merge`. A row's key holds every setting that changes its
 result (the data and the model by content hash). Fidelity (teacher-forced KL against the full cache) works even for
-a model too small to solve problems. Free generation decodes --batch-size problems together and keeps each problem's
-outcome. Left out: sampling / pass@k, model-judged answers.
+a model too small to solve problems. Free generation keeps --batch-size rows live, a finished problem's row refilled
+with the next problem, and keeps each problem's outcome. Left out: sampling / pass@k, model-judged answers.
 
 Laid out top to bottom: the sweep's shared state (the model, the cached traces); the measurements, one function
 per subcommand, each mapping a job to its row's fields; the driver (jobs, their keys and costs, checks before the
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, local_model, made_on, minmax_int4,
+from cli import (Parser, UsageError, add_device_args, int_list, load, local_model, made_on, minmax_int4, note,
                  output_failed, plain_text, policy_names, resolve_device)
-from generate import generate, make_run
+from generate import generate, generate_refill, make_run
 from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
@@ -145,34 +145,54 @@ def fidelity(args, job: dict, lab: dict) -> dict:
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
-    """Free generation, --batch-size problems at a time. After each batch the finished problems' outcomes are saved
-    (results.Progress), so a rerun of a killed sweep decodes only the batches not yet done; the draws of a stochastic
-    policy are seeded by each problem's index, so the row is the one an uninterrupted run gives."""
+    """Free generation of --batch-size live rows: with --refill (the default) a finished problem's row goes to the
+    next problem (generate_refill), else the problems go --batch-size at a time (generate). Each finished problem's
+    outcome is saved (results.Progress), so a rerun of a killed sweep decodes only the problems not yet done; the draws
+    of a stochastic policy are seeded by each problem's index, so the row is the one an uninterrupted run gives."""
     model, tok = model_of(args, lab)
     rows = load_data(args.data)[: args.n]
     progress = Progress(result_file(args.out, args.shard), job)
-    done = progress.part.get("per_problem", [])  # the first batches' outcomes, in problem order
-    if [p["i"] for p in done] != list(range(len(done))):
-        raise UsageError(f"{progress.path} does not hold the first problems in order: delete it and rerun")
+    done = progress.part.get("per_problem", [])  # the finished problems' outcomes, in problem order
+    saved = [p["i"] for p in done]
+    if sorted(set(saved)) != saved or not set(saved) <= set(range(len(rows))):
+        raise UsageError(f"{progress.path} holds problems twice or out of range: delete it and rerun")
+    left = sorted(set(range(len(rows))) - set(saved))  # in problem order
     where = made_on(model.model.embed_tokens.weight.device)
-    for i in range(len(done), len(rows), args.batch_size):
-        batch = rows[i : i + args.batch_size]
-        prompts = [ask(tok, r["question"]) for r in batch]
+    steps = row_steps = 0
+
+    def finish(i: int, prompt: list[int], ids: list[int], rounds: int, kept: float):
+        text, stop, pred = answer_of(tok, ids, rows[i]["answer"], prompt)
+        th = tok.thought(prompt, ids)  # a thinking model's rows say how long it thought, and if it stopped
+        think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens,
+                 "think_closed": th.closed} if tok.thinks else {}
+        done.append({"i": i, "correct": is_correct(pred, rows[i]["answer"]), "answered": pred is not None,
+                     "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                     "evictions": rounds, "kept": kept, "pred": pred, **think,
+                     "text_z": pack_text(text), "made_on": where})  # what was graded, and where
+        done.sort(key=lambda p: p["i"])
+        progress.save(per_problem=done)
+
+    # with --refill, one request of every problem left; else one per --batch-size of them
+    size = max(len(left), 1) if args.refill else args.batch_size
+    for at in range(0, len(left), size):
+        batch = left[at : at + size]
+        prompts = [ask(tok, rows[i]["question"]) for i in batch]
         # each problem's index in the sweep seeds its draws, so the rows do not depend on --batch-size
         run = make_run(job["policy"], job["budget"], args.buffer, job["protect"], [len(p) for p in prompts],
-                       args.seed, ids=list(range(i, i + len(batch))))
+                       args.seed, ids=batch)
         kept = kept_share(run)
-        outs, _, _ = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
-        for k, (r, ids) in enumerate(zip(batch, outs)):
-            text, stop, pred = answer_of(tok, ids, r["answer"], prompts[k])
-            th = tok.thought(prompts[k], ids)  # a thinking model's rows say how long it thought, and if it stopped
-            think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens,
-                     "think_closed": th.closed} if tok.thinks else {}
-            done.append({"i": i + k, "correct": is_correct(pred, r["answer"]), "answered": pred is not None,
-                         "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
-                         "evictions": run.rounds[k], "kept": kept(k, len(ids)), "pred": pred, **think,
-                         "text_z": pack_text(text), "made_on": where})  # what was graded, and where
-        progress.save(per_problem=done)
+        on_done = lambda k, ids: finish(batch[k], prompts[k], ids, run.rounds[k], kept(k, len(ids)))
+        if args.refill:
+            _, t = generate_refill(model, prompts, run, args.max_new_tokens, args.batch_size, eos_ids=tok.eos_ids,
+                                   on_done=on_done)
+        else:
+            outs, _, t = generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)
+            for k, ids in enumerate(outs):
+                on_done(k, ids)
+        steps, row_steps = steps + t["steps"], row_steps + t["row_steps"]
+    if steps:  # how full the batch stayed: refill's gain, whatever the machine's load
+        note(f"[accuracy] {job['policy']}: {len(left)} problems in {steps} decode steps, {row_steps / steps:.2f} "
+             f"live rows per step of --batch-size {args.batch_size}")
     mean = lambda field: sum(p[field] for p in done) / len(done)
     think = {"mean_think_tokens": mean("think_tokens"), "mean_answer_tokens": mean("answer_tokens"),
              "unclosed": sum(p["think_closed"] is False for p in done) / len(done)} if "think_tokens" in done[0] else {}
@@ -285,6 +305,9 @@ def make_jobs(args) -> list[dict]:
         extra = {"min_tokens": args.min_tokens, **({"long": args.long} if args.long else {})}  # old rows keep keys
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
         extra = {"grading": grading(load_data(args.data))}
+        # a refilled batch mixes other rows beside each problem than --no-refill's, which bf16 or int4 matmuls may
+        # round differently; the rows made before refill (no such field) keep their keys
+        extra |= {"refill": True} if args.refill else {}
     common = {"data": Path(args.data).name, "data_sha": file_hash(args.data), "n": args.n, "buffer": args.buffer,
               "seed": args.seed, **model_settings(args), "max_new_tokens": args.max_new_tokens}
     # the full cache never evicts, so its row is the same for every --buffer: one reference row serves them all
@@ -383,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     shared.add_argument("--n", type=int, default=12, help="problems (accuracy), probes (probe), or packed "
                         "conversations (fidelity, perturbation)")
     shared.add_argument("--max-new-tokens", type=int, default=512, help="cap on each generated answer")
-    shared.add_argument("--batch-size", type=int, default=None, help="problems or conversations decoded together "
-                        "(default: 16 on CPU, 64 on CUDA); in fp32 the tokens do not depend on it, but bf16 "
+    shared.add_argument("--batch-size", type=int, default=None, help="problems (accuracy: rows live at once, see "
+                        "--refill) or conversations decoded together (default: 16 on CPU, 64 on CUDA); in fp32 the "
+                        "tokens do not depend on it, but bf16 "
                         "matmuls may round differently, so it is part of a row's key")
     ap = Parser(description="Evaluate KV-cache eviction policies against the full cache.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{" + ",".join([*TASKS, "bench", "merge", "plot"]) + "}")
@@ -397,7 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-refs", action="store_true", help="keep the full cache's logits under $NANOKV_HOME/refs "
                    "when the sweep is done, for a next sweep on the same traces (another --buffer, more policies); "
                    "the last one without this flag removes them")
-    sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
+    p = sub.add_parser("accuracy", parents=[shared], help="free generation, extracted answers, pass@1, loop rate")
+    p.add_argument("--refill", action=argparse.BooleanOptionalAction, default=True, help="when a problem's answer "
+                   "ends, the next problem takes its row, so --batch-size rows stay live (continuous batching); "
+                   "--no-refill decodes --batch-size problems at a time until the longest ends, as rows made before "
+                   "refill were")
     p = sub.add_parser("probe", parents=[shared], help="passcode / planted-fact recall after a long trace")
     p.add_argument("--probe", choices=["passcode", "fact", "heads"], default="passcode", help="passcode: a code said "
                    "once, asked at the end; fact: 'x = 7291' planted in the trace, asked --gap tokens later; heads: "
@@ -471,7 +499,7 @@ def main(argv=None):
     except (ModelError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("\ninterrupted: finished rows (and accuracy's finished batches, fidelity's finished traces) are "
+        sys.exit("\ninterrupted: finished rows (and accuracy's finished problems, fidelity's finished traces) are "
                  "saved; rerun the same command to resume")
     except BrokenPipeError:  # e.g. `python eval.py ... | head`: the reader left, nothing to report
         sys.stderr.close()

@@ -7,14 +7,14 @@ Generate text with a KV-cache eviction policy: prefill, decode loop, eviction ca
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
 slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
 Several prompts of different lengths decode as one batch, each row on its own eviction cadence; a batch of one
-row is the plain batch-1 decoder. Left out: rows joining a running batch (continuous batching), speculative
-decoding, paged memory.
+row is the plain batch-1 decoder. `generate_refill` keeps a sweep's batch full (continuous batching): a finished
+row's place goes to the next prompt, prefilled apart and copied in. Left out: speculative decoding, paged memory.
 
 Laid out top to bottom: a request's settings (`Run`, `make_run`, `make_cache`); the loop, the part to read first
-(`evict_round`, `evict_due`, `feed`, `sample`, `generate`); the CLI (`build_parser`, `main`, `run_cli`,
-`compare_run`, `divergence`). What every command line shares (devices, loading, one-line errors) is in cli.py; what
-the cache kept, drawn (--show-kept's map, --kept-json, the --html page that records every round through Run.watch),
-is in viewer.py.
+(`evict_round`, `evict_due`, `feed`, `sample`, `generate`), then the refilling batch (`generate_refill`, `join`);
+the CLI (`build_parser`, `main`, `run_cli`, `compare_run`, `divergence`). What every command line shares (devices,
+loading, one-line errors) is in cli.py; what the cache kept, drawn (--show-kept's map, --kept-json, the --html page
+that records every round through Run.watch), is in viewer.py.
 """
 
 import argparse
@@ -110,13 +110,18 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [])
 
 
-def make_cache(model, run: Run, n_tokens: int) -> KVCache:
-    """A cache for each row of the request and n_tokens per row: budget + buffer slots when evicting, else all."""
-    cfg = model.cfg
+def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
+    """A cache for each row of the request (or `batch` rows that its rows take turns in, generate_refill) and
+    n_tokens per row: budget + buffer slots when evicting, else all."""
     cap = n_tokens if run.budget is None else min(n_tokens, run.budget + run.buffer)
     run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh
-    w = model.model.embed_tokens.weight
-    return KVCache(cfg.num_hidden_layers, len(run.prompt_len), cfg.num_key_value_heads, cfg.head_dim, cap,
+    return empty_cache(model, run, len(run.prompt_len) if batch is None else batch, cap)
+
+
+def empty_cache(model, run: Run, batch: int, capacity: int) -> KVCache:
+    """`batch` empty rows of `capacity` slots, laid out for the model and run's policy; run's state is left alone."""
+    cfg, w = model.cfg, model.model.embed_tokens.weight
+    return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
                    n_q_heads=cfg.num_attention_heads, window=run.ring, side=run.policy.side,
                    device=w.device, dtype=w.dtype)
 
@@ -256,7 +261,7 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
     x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=model.device)  # right-padded [B, T]
     logits = feed(model, cache, x, run, n=[len(p) for p in prompts])[:, -1]  # [B, V]
     t1 = time.perf_counter()
-    outs = [[] for _ in prompts]
+    outs, steps, row_steps = [[] for _ in prompts], 0, 0
     while True:
         tok = sample(logits, temperature, top_p, [gens[row] for row in cache.rows])  # [B, 1]
         finished = []
@@ -273,8 +278,72 @@ def generate(model, prompts: list[list[int]], run: Run, max_new_tokens: int, tem
             cache.keep_rows(keep)
             tok = tok[keep]
         logits = feed(model, cache, tok, run)[:, -1]
+        steps, row_steps = steps + 1, row_steps + cache.batch
     t2 = time.perf_counter()
-    return outs, cache, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+    return outs, cache, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "row_steps": row_steps}
+
+
+@torch.inference_mode()
+def generate_refill(model, prompts: list[list[int]], run: Run, max_new_tokens: int, batch_size: int,
+                    temperature: float = 0.0, top_p: float = 1.0, eos_ids=(), on_done=None) -> tuple[list, dict]:
+    """Continuous batching: decode every prompt with at most batch_size rows live. When a row finishes, the next
+    prompt takes its place: it is prefilled on its own (`join`) and decodes from the next step beside the others,
+    so the batch stays full instead of draining to its longest answer. run holds every prompt (its rows are their
+    indices in `prompts`); each row's tokens are those of generate on it alone, as its draws follow run.ids.
+    on_done(row, ids) sees each prompt's new ids as it finishes. Returns (new ids per prompt, timings, with the
+    decode steps and the rows they decoded: row_steps / steps is how full the batch stayed)."""
+    if not prompts or not all(prompts):
+        raise UsageError("generate needs at least one prompt, and no prompt may be empty")
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+    cache = make_cache(model, run, max(map(len, prompts)) + max_new_tokens, batch=min(batch_size, len(prompts)))
+    gens = [torch.Generator(model.device).manual_seed(seed_of(run.seed, i)) for i in run.ids]
+    queue, outs = list(range(len(prompts))), [[] for _ in prompts]
+    t = {"prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "row_steps": 0}
+    free, logits = list(range(cache.batch)), None  # batch slots whose row finished (at first: all of them)
+    while True:
+        t0 = time.perf_counter()
+        if queue and free:  # the next prompts take the free slots
+            new, slots = queue[: len(free)], free[: len(queue)]
+            del queue[: len(new)], free[: len(new)]
+            first = join(model, cache, run, [prompts[i] for i in new], new, slots)  # [n, V]
+            logits = first.new_zeros(cache.batch, first.shape[-1]) if logits is None else logits
+            logits[slots] = first
+        if free:  # none left to take them: the batch shrinks, as in generate
+            keep = [b for b in range(cache.batch) if b not in free]
+            cache.keep_rows(keep)
+            logits, free = logits[keep], []
+        t1 = time.perf_counter()
+        tok = sample(logits, temperature, top_p, [gens[row] for row in cache.rows])  # [B, 1]
+        for b, (row, tk) in enumerate(zip(cache.rows, tok[:, 0].tolist())):
+            outs[row].append(tk)
+            if tk in eos_ids or len(outs[row]) == max_new_tokens:
+                free.append(b)
+                if on_done:
+                    on_done(row, outs[row])
+        if len(free) == cache.batch and not queue:
+            t["prefill_s"] += t1 - t0
+            break
+        go = [int(b not in free) for b in range(cache.batch)]  # a finished row takes no token (ragged feed, n = 0)
+        if any(go):
+            logits = feed(model, cache, tok, run, n=go)[:, -1]
+            t["steps"], t["row_steps"] = t["steps"] + 1, t["row_steps"] + sum(go)
+        t["prefill_s"], t["decode_s"] = t["prefill_s"] + t1 - t0, t["decode_s"] + time.perf_counter() - t1
+    return outs, t
+
+
+def join(model, cache: KVCache, run: Run, prompts: list[list[int]], rows: list[int], slots: list[int]) -> Tensor:
+    """Prefill prompts (rows: their indices in the request) in a cache of their own, then copy each into its batch
+    slot of cache; returns their last positions' logits [n, V]. note: apart, not as extra columns of the running
+    batch's next step: [B, T] padding would cost every row T columns, for one row's prompt."""
+    sub = empty_cache(model, run, len(rows), cache.capacity)
+    sub.rows = list(rows)  # draws and policy state follow the request's rows, not the batch slots
+    T = max(map(len, prompts))
+    x = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=model.device)  # right-padded [n, T]
+    logits = feed(model, sub, x, run, n=[len(p) for p in prompts])[:, -1]
+    for j, b in enumerate(slots):
+        cache.put_row(b, sub, j)
+    return logits
 
 
 # -----------------------------------------------------------------------------

@@ -275,8 +275,9 @@ def locked(path: Path):
 
 
 class Progress:
-    """A job's partial row (accuracy: the per_problem outcomes so far), saved after every batch beside its result file
-    under a name made from the job's full key, so that a killed job loses at most the batch it was decoding."""
+    """A job's partial row (accuracy: the per_problem outcomes so far), saved after every finished problem (fidelity:
+    trace) beside its result file under a name made from the job's full key, so that a killed job loses only the
+    problems it was decoding."""
 
     def __init__(self, result: Path | None, job: dict):
         self.job, self.path = job, progress_path(result, job) if result else None

@@ -2043,8 +2043,8 @@ def test_fidelity_resumes_per_trace(tiny_lab, tmp_path, monkeypatch, refs_home):
 @pytest.mark.parametrize("shard", [[], ["--shard", "2/2"]])
 def test_accuracy_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, capsys, shard):
     """A sweep killed after its first batch (2 of 5 problems) and rerun decodes only the 3 problems left, and gives
-    the row of an uninterrupted run; with or without --shard."""
-    argv = lab_argv(tiny_lab, "accuracy", "--policies", "random", "--budgets", "128", *shard)
+    the row of an uninterrupted run; with or without --shard (--no-refill: batch by batch; refill's is at the end)."""
+    argv = lab_argv(tiny_lab, "accuracy", "--policies", "random", "--budgets", "128", "--no-refill", *shard)
     decoded, real = [], ev.generate
 
     def generate(model, prompts, run, *a, **kw):
@@ -4317,3 +4317,135 @@ def test_a_full_disk_elsewhere_does_not_blame_stdout(tmp_path):
     p = run_py(f"{sys.executable} -c \"{code}\" > /dev/full", shell=True)
     assert p.stderr.startswith("error: cannot write to stdout (/dev/full)"), p.stderr
 
+# ---- issue 53: continuous batching for accuracy sweeps ----
+
+# 10, 27, 5, 18 and 7 tokens; with eos (0, 27) the tiny model ends rows at different steps, so rows join at
+# different times: the 5- and 18-token rows end after 6 tokens, the 7-token one after 8, the others run to the cap
+REFILL = [list(range(50, 55)), list(range(20, 47)), list(range(60, 78)), list(range(80, 87)), list(range(3, 13))]
+REFILL_EOS = (0, 27)
+
+
+def refill_rows(model, name, batch_size, prompts=REFILL, n=40, **kw):
+    """(new ids per prompt, timings, whether a row joined while a live row had already evicted) of generate_refill."""
+    run = G.make_run(name, None if name == "full" else 24, 8, None if name == "full" else False,
+                     [len(p) for p in prompts], seed=3)
+    joined_mid_eviction, real = [], G.join
+
+    def join(model, cache, run, *a):
+        joined_mid_eviction.append(any(run.rounds[row] > 0 for row in cache.rows))  # a live row has evicted
+        return real(model, cache, run, *a)
+
+    G.join = join
+    try:
+        outs, t = G.generate_refill(model, prompts, run, n, batch_size, eos_ids=REFILL_EOS, **kw)
+    finally:
+        G.join = real
+    return outs, t, any(joined_mid_eviction)
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_refill_rows_equal_unbatched_runs(tiny, name):
+    """Greedy, fp32: with refill at 2 and 3 live rows, every prompt generates exactly the tokens of its unbatched run,
+    rows joining while others are mid-eviction (K + r = 32: the 27-token row evicts on its 6th step)."""
+    alone = [generate_rows(tiny, name, [p], eos_ids=REFILL_EOS)[0][0] for p in REFILL]
+    assert len({len(a) for a in alone}) > 1  # rows end at different steps, so they join at different times
+    for batch_size in (2, 3):
+        outs, t, mid = refill_rows(tiny, name, batch_size)
+        assert outs == alone and (mid or name == "full")
+        assert t["row_steps"] == sum(len(o) - 1 for o in outs)  # every token but a row's first is one row of a step
+
+
+@pytest.mark.parametrize("name", ["random", "vase", "vase-dkv"])
+def test_refill_seeded_rows_do_not_depend_on_batch_size(tiny, name):
+    """A stochastic policy, sampling at temperature 1: each prompt's tokens under refill are the same at 1, 2 and 4
+    live rows, and equal its run alone with its index as its id: its draws come from its own generators, whatever
+    the batch size or the order rows join in."""
+    runs = [refill_rows(tiny, name, b, temperature=1.0)[0] for b in (1, 2, 4)]
+    assert runs[0] == runs[1] == runs[2]
+    for i, p in enumerate(REFILL):
+        assert generate_rows(tiny, name, [p], ids=[i], eos_ids=REFILL_EOS, temperature=1.0)[0][0] == runs[0][i]
+
+
+def test_refill_keeps_the_batch_fuller(tiny):
+    """Refill decodes the same tokens in fewer steps than batches that drain: 5 prompts at 2 live rows."""
+    outs, t, _ = refill_rows(tiny, "snapkv", 2)
+    steps = 0
+    for i in range(0, len(REFILL), 2):
+        run = G.make_run("snapkv", 24, 8, False, [len(p) for p in REFILL[i : i + 2]], seed=3)
+        batch, _, tb = G.generate(tiny, REFILL[i : i + 2], run, 40, eos_ids=REFILL_EOS)
+        assert batch == outs[i : i + 2] and tb["row_steps"] == sum(len(o) - 1 for o in batch)
+        steps += tb["steps"]
+    assert t["steps"] < steps  # the same rows of tokens (row_steps), so more rows per step
+
+
+@pytest.mark.parametrize("shard", [[], ["--shard", "2/2"]])
+def test_accuracy_refill_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, shard):
+    """A refilling sweep killed after its first 2 finished problems, rerun, decodes only the 3 left (whichever
+    finished first) and gives the row of an uninterrupted run; that row holds the outcomes of --no-refill's, under a
+    key of its own (refill: true), with or without --shard."""
+    argv = lab_argv(tiny_lab, "accuracy", "--policies", "random", "--budgets", "128", *shard)
+    started, finished, real = [], [], ev.generate_refill
+
+    def generate_refill(model, prompts, run, *a, on_done, **kw):
+        started.append(list(run.ids))
+
+        def done(row, ids):
+            if kill and len(finished) == 2:
+                raise KeyboardInterrupt  # as a kill after two problems were saved
+            finished.append(run.ids[row])
+            on_done(row, ids)
+
+        return real(model, prompts, run, *a, on_done=done, **kw)
+
+    monkeypatch.setattr(ev, "generate_refill", generate_refill)
+    kill = True
+    with pytest.raises(SystemExit, match="interrupted"):
+        ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    first = finished[:]
+    kill, started[:] = False, []
+    ev.main(argv + ["--out", str(tmp_path / "a.json")])
+    assert started[0] == sorted(set(range(5)) - set(first)) and len(first) == 2
+    ev.main(argv + ["--out", str(tmp_path / "b.json")])
+    ev.main(argv + ["--no-refill", "--out", str(tmp_path / "c.json")])
+    where = lambda f: R.result_file(str(tmp_path / f), R.shard_arg(shard[1]) if shard else None)
+    read = lambda f: R.read_shard(where(f))["rows"] if shard else R.read_rows(where(f))
+    a, b, c = read("a.json"), read("b.json"), read("c.json")
+    assert a == b and [p["i"] for p in a[-1]["per_problem"]] == [0, 1, 2, 3, 4]
+    assert all(r["refill"] for r in a) and not any("refill" in r for r in c)
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "refill"} for r in rows]
+    assert drop(a) == c  # fp32: the same outcomes, problem by problem
+    assert not list(tmp_path.glob("*progress*"))
+
+
+def test_lane_hours_spans():
+    """tools/lane_hours.py: a step closes at its end line or at a stop line naming its lane; a step a sitting left
+    without either is open up to the lane's next start; a lane left running past a stop line stays running."""
+    tool = load_tool("lane_hours")
+    log = ["2026-12-02T10:00:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): start python eval.py one",
+           "2026-12-02T10:00:00Z lane B: start python eval.py two",
+           "2026-12-02T11:30:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): end (rc 0) python eval.py one",
+           "2026-12-02T11:30:00Z lane A (Intel(R) Xeon(R) Processor, AVX512): start python eval.py three",
+           "2026-12-02T12:00:00Z lanes stopped by hand (lane A's fidelity step left running to finish)",
+           "2026-12-02T12:15:00Z lane A's fidelity step ended",
+           "2026-12-02T20:00:00Z lane B: start python eval.py four",
+           "2026-12-02T20:45:00Z lane B stopped by hand"]
+    got = [(lane, (t1 - t0).total_seconds() / 60, closed, what) for lane, t0, t1, closed, what in tool.spans(log)]
+    assert got == [("A", 90, True, "python eval.py one"), ("B", 120, True, "python eval.py two"),
+                   ("A", 45, True, "python eval.py three"), ("B", 45, True, "python eval.py four")]
+    assert [c for *_, c, _ in tool.spans(log[:2] + log[6:7])] == [False]  # B restarted without an end: open
+
+
+def test_refill_bench_replays_the_step_counts(tiny):
+    """tools/refill_bench.py steps replays both loops from the answers' lengths alone: the decode steps and rows of
+    generate_refill at 2 and 3 live rows, and of generate in batches of 2, on the tiny model; and the hand case."""
+    tool = load_tool("refill_bench")
+    assert tool.refill_steps([3, 1, 2], 2) == (2, 3) and tool.batch_steps([3, 1, 2], 2) == (3, 3)
+    for size in (2, 3):
+        outs, t, _ = refill_rows(tiny, "snapkv", size)
+        assert tool.refill_steps([len(o) for o in outs], size) == (t["steps"], t["row_steps"])
+    steps = rows = 0
+    for i in range(0, len(REFILL), 2):
+        run = G.make_run("snapkv", 24, 8, False, [len(p) for p in REFILL[i : i + 2]], seed=3)
+        _, _, tb = G.generate(tiny, REFILL[i : i + 2], run, 40, eos_ids=REFILL_EOS)
+        steps, rows = steps + tb["steps"], rows + tb["row_steps"]
+    assert tool.batch_steps([len(o) for o in outs], 2) == (steps, rows)

@@ -7,8 +7,9 @@
 # left running alone can be stopped and rerun with OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 (it resumes) on both cores.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-B="--policies full --n 100 --batch-size 16"
-S="--model qwen2.5-coder-1.5b --budgets 192 --buffer 16 --n 100 --batch-size 16 --max-new-tokens 512 --data data/gsm8k_test.jsonl"
+# --no-refill: these rows were made before refill (issue 53), which keys its rows apart
+B="--policies full --n 100 --batch-size 16 --no-refill"
+S="--no-refill --model qwen2.5-coder-1.5b --budgets 192 --buffer 16 --n 100 --batch-size 16 --max-new-tokens 512 --data data/gsm8k_test.jsonl"
 F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 16 --data data/gsm8k_test.jsonl --out results/study/fidelity_q15.json"
 ( # lane A: claims 1-2 with the prompt protected, claims 3 and 5 at the tight budget
   python eval.py accuracy --model qwen2.5-coder-0.5b $B --max-new-tokens 512 --data data/gsm8k_test.jsonl --out results/study/full_q05.json
