@@ -34,7 +34,8 @@ STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
          "longfid_q15.json", "curve_q15.json")  # what main reads of --study
 MARGIN = 0.06  # a claim of parity in accuracy holds when a is at most this far below b (as --quant's check)
-SETTING = PAIRED + ("max_new_tokens", "seed", "batch_size", "refill", "min_tokens", "long")  # what one column's rows share
+# what one column's rows share
+SETTING = PAIRED + ("max_new_tokens", "seed", "batch_size", "refill", "min_tokens", "long")
 NEEDS = {"accuracy": ("policy", "budget", "protect", "per_problem"), "fidelity": ("policy", "budget", "buffer",
                                                                                   "kl_by_trace")}
 
