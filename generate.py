@@ -412,7 +412,11 @@ def run_cli(args):
             printed[0] = len(text)
 
     sampling = (args.max_new_tokens, args.temperature, args.top_p, tok.eos_ids)
-    (ids,), cache, t = generate(model, [prompt], run, *sampling, on_token=lambda row, ids: stream(ids))
+    # the streamed text shows the answer's progress on a terminal; printed to a file, a bar on stderr does instead
+    with tqdm(total=args.max_new_tokens, desc=f"[{args.policy}] answer", unit="tok", leave=False, file=sys.stderr,
+              disable=sys.stdout.isatty() or not sys.stderr.isatty()) as bar:
+        (ids,), cache, t = generate(model, [prompt], run, *sampling,
+                                    on_token=lambda row, ids: (stream(ids), bar.update(1)))
     print()
     layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:

@@ -3628,3 +3628,108 @@ def test_holm_and_the_replication_verdicts(tmp_path, capsys):
     assert "cannot be tested here" in out and "vase − snapkv" not in out  # no vase row
     (tmp_path / "claims_q05.json").write_text(json.dumps(rows + [row("vase", range(30), model="other")]))
     assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+
+
+# ---- issue 55: what a new user found (the README's two commands, the viewer) ----
+
+
+def test_no_browser_is_a_skip_with_the_install_command_and_a_failure_under_ci(tmp_path, monkeypatch):
+    """The viewer's browser tests find any Chromium or Chrome on PATH or in NANOKV_CHROMIUM; with none, they are
+    skipped with the install command, except under CI=true, where they fail; a NANOKV_CHROMIUM that is no program
+    fails, and one that is a program is the one used."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("NANOKV_CHROMIUM", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install -y chromium"):
+        find_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y chromium"):
+        find_browser()
+    fake = tmp_path / "google-chrome"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert find_browser() == str(fake)  # any Chrome on PATH
+    monkeypatch.setenv("NANOKV_CHROMIUM", str(tmp_path / "nope"))
+    with pytest.raises(AssertionError, match="NANOKV_CHROMIUM=.*nope is not an executable"):
+        find_browser()
+
+
+def test_compare_with_quant_loads_one_model_and_reports_the_whole_peak(tiny_lab, tmp_path, capsys, monkeypatch):
+    """--compare with --quant answers again on the same quantized weights: one model loaded, said on stderr before it
+    loads; the summary's peak is read after the second answer and the page (the whole process's); --kept-json and
+    --html each say what they wrote."""
+    calls = []
+    for name in ("load", "generate", "peak_memory_mb"):
+        real = getattr(G, name)
+        monkeypatch.setattr(G, name, lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k))
+    kept, html = tmp_path / "kept.json", tmp_path / "kept.html"
+    G.main(["--model", tiny_lab.model, "--quant", "int8", "--policy", "snapkv", "--budget", "16", "--buffer", "4",
+            "--max-new-tokens", "30", "--prompt", "What is 2 + 2?", "--compare", "--kept-json", str(kept),
+            "--html", str(html)])
+    out, err = capsys.readouterr()
+    assert calls == ["load", "generate", "generate", "peak_memory_mb"]
+    assert err.index("on the same int8 weights: no second model is loaded") < err.index("[load] reading")
+    assert f"[kept-json] wrote {kept} (" in err and f"[html] wrote {html} (" in err and kept.is_file()
+    assert "[compare] against the full cache:" in out and "fp32" not in out + err
+    assert out.strip().splitlines()[-1].startswith("[snapkv K=16 r=4 int8]")
+
+
+def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
+    """The page opens at the first eviction round with a hint to press play, and names both runs in the status line.
+    At a later round the map tells apart the positions that round evicted from those evicted earlier, and draws as
+    unscored the held positions no round has ranked; each head's cut-off is the lowest score the ranking kept (every
+    evicted ranked slot scored at most that); the position axis is labelled; the JSON export holds the shown kept sets
+    in --kept-json's form (eval.py plot reads it), and the PNG export is the map, a column per position."""
+    import base64
+    import html as H
+    import urllib.parse
+    from io import BytesIO
+
+    from PIL import Image
+
+    prompt, runs = recorded
+    views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
+             for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "kept.html"
+    page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
+    run, rec, ids, _ = runs["vase"]
+    P_, fed, protect = len(prompt), len(prompt) + len(ids) - 1, run.protect_below[0]
+    first = max(0, rec.rounds[0].at - P_)
+    dom = Dom(chromium(page.as_uri(), tmp_path, "--dump-dom"))
+    where = dom.text["where"]
+    assert f"vase K=24 r=4: decode step {first} of " in where and f"round 1 of {len(rec.rounds)}" in where
+    assert "press play" in where and "full cache: decode step" in where and "never evicts" in where
+    k = 3  # a later round, between its step and the next one's
+    r, prev = rec.rounds[k], rec.rounds[k - 1]
+    step, layer = r.at - P_ + 1, 1
+    raw = chromium(page.as_uri() + f"#step={step}&layer={layer}", tmp_path, "--dump-dom")
+    dom = Dom(raw)
+    n = P_ + step
+    for h in range(tiny.cfg.num_key_value_heads):
+        cells = dom.rows[(0, h)]
+        now = {p for p in range(r.at) if not r.kept[layer, h, p]}
+        before = {p for p in range(prev.at) if not prev.kept[layer, h, p]}
+        assert {p for p, c in enumerate(cells) if c == "x"} == before and before
+        assert {p for p, c in enumerate(cells) if c == "e"} == now - before and now - before
+        assert {p for p, c in enumerate(cells) if c == "n"} == set(range(max(protect, r.at - run.buffer),
+                                                                         n - run.buffer)) - now
+    cut = viewer.cut_off(r, protect, run.buffer)  # [L, H_kv]
+    for h in range(tiny.cfg.num_key_value_heads):
+        ranked = ~r.scores[layer, h].isnan() & (r.scores[layer, h] < P.BIG)
+        ranked[:protect] = ranked[r.at - run.buffer :] = False
+        assert cut[layer, h] == r.scores[layer, h][ranked & r.kept[layer, h]].min()
+        assert (r.scores[layer, h][ranked & ~r.kept[layer, h]] <= cut[layer, h]).all()
+    shown = [float(x) for x in re.findall(r"cut-off (-?\d[\d.]*(?:e[+-]\d+)?)", dom.text["maps"])[:2]]  # run 0's heads, float16-rounded
+    assert shown == pytest.approx(cut[layer].tolist(), rel=2e-3)
+    N_ = len(prompt) + len(ids)  # positions drawn; the axis labels one every 1, 2, 5, 10, 20 ... about ten in all
+    every = next(d for d in (1, 2, 5, 10, 20, 50) if N_ / d <= 12)
+    assert "position" + "".join(str(p) for p in range(0, N_, every)) in dom.text["maps"]
+    href = lambda kind: H.unescape(re.search(rf'id="save-{kind}-0"[^>]*href="([^"]*)"', raw).group(1))
+    kept = json.loads(urllib.parse.unquote(href("json").split(",", 1)[1]))
+    want = held_at(rec, step, P_, fed)[layer]  # [H_kv, fed]
+    assert kept["heads"] == [w[:n].nonzero()[:, 0].tolist() for w in want] and kept["positions"] == n
+    assert (kept["layer"], kept["step"], kept["budget"], kept["policy"]) == (layer, step, 24, "vase")
+    assert plot.check_map(kept, "export") is kept
+    with Image.open(BytesIO(base64.b64decode(href("png").split(",", 1)[1]))) as im:
+        assert im.format == "PNG" and im.size == (N_ * -(-800 // N_), 18 + 11 * tiny.cfg.num_key_value_heads)
+        assert len(im.convert("RGB").getcolors(1 << 16)) >= 5  # the states' colours, not a blank picture
