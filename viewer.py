@@ -4,8 +4,9 @@ and the --html page, one self-contained file (viewer.html filled with a run's da
 over the answer's own text, per layer and KV head. A Recording takes the rounds from the run itself, through Run.watch
 (the hook eval.kept_share uses): the scores cache.evict ranks, then what each layer and head kept; without one, nothing
 is recorded or paid. Marks come from those scores, so no policy logic is repeated: a score >= policies.BIG means "keep
-before ranking the rest" (VASE's widest-value reserve, CriticalKV's stage 1). A model's text is untrusted: it travels
-as escaped JSON and the page sets it as text, never as markup. Left out: other batch rows, the policies' side state.
+before ranking the rest" (VASE's widest-value reserve, CriticalKV's stage 1), and each round's cut-off, the lowest
+score the ranking kept, tells what a score meant there. A model's text is untrusted: it travels as escaped JSON and
+the page sets it as text, never as markup. Left out: other batch rows, the policies' side state.
 """
 
 import base64
