@@ -3733,3 +3733,40 @@ def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
     with Image.open(BytesIO(base64.b64decode(href("png").split(",", 1)[1]))) as im:
         assert im.format == "PNG" and im.size == (N_ * -(-800 // N_), 18 + 11 * tiny.cfg.num_key_value_heads)
         assert len(im.convert("RGB").getcolors(1 << 16)) >= 5  # the states' colours, not a blank picture
+
+
+def test_first_answer_shows_a_bar_when_its_text_goes_to_a_file(tiny_lab):
+    """Printed to a file or a pipe, the answer streams where nobody watches it: a bar on stderr (a terminal here)
+    counts its tokens instead; on a terminal stdout, the streamed text is the progress and no bar is drawn."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    def drain(fd) -> bytes:  # all a pty's child wrote, until it closes its end
+        out = b""
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed its end
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+    def stderr_of(stdout_tty: bool) -> str:
+        (master, slave), (out_m, out_s) = pty.openpty(), pty.openpty() if stdout_tty else (None, subprocess.PIPE)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+        p = subprocess.Popen([sys.executable, "generate.py", "--model", tiny_lab.model, "--policy", "snapkv",
+                              "--budget", "16", "--buffer", "4", "--max-new-tokens", "40", "--prompt", "2 + 2?"],
+                             cwd=HERE, stdout=out_s, stderr=slave)
+        os.close(slave)
+        if stdout_tty:
+            os.close(out_s)
+        err = drain(master)
+        drain(out_m) if stdout_tty else p.stdout.read()
+        assert p.wait(timeout=HANG) == 0, err[-2000:]
+        return err.decode("utf-8", "replace")
+
+    assert re.search(r"\[snapkv\] answer: +\d+%", stderr_of(False))  # a tqdm bar, redrawn on the terminal
+    assert "[snapkv] answer:" not in stderr_of(True)
