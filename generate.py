@@ -383,6 +383,8 @@ def run_cli(args):
     if comparing:  # what --compare costs, said before anything loads: a second answer, no second model
         note(f"[compare] after the answer, a second one with {'--vs ' + args.vs if args.vs else 'the full cache'} on "
              f"the same {args.quant or 'dense'} weights: no second model is loaded")
+    elif args.compare:
+        note("[compare] --policy full is the full cache itself: one answer, nothing to compare it with")
     t0 = time.perf_counter()
     note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype, args.quant)

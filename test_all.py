@@ -3657,7 +3657,7 @@ def test_no_browser_is_a_skip_with_the_install_command_and_a_failure_under_ci(tm
 def test_compare_with_quant_loads_one_model_and_reports_the_whole_peak(tiny_lab, tmp_path, capsys, monkeypatch):
     """--compare with --quant answers again on the same quantized weights: one model loaded, said on stderr before it
     loads; the summary's peak is read after the second answer and the page (the whole process's); --kept-json and
-    --html each say what they wrote."""
+    --html each say what they wrote; --policy full --compare says there is nothing to compare."""
     calls = []
     for name in ("load", "generate", "peak_memory_mb"):
         real = getattr(G, name)
@@ -3672,6 +3672,8 @@ def test_compare_with_quant_loads_one_model_and_reports_the_whole_peak(tiny_lab,
     assert f"[kept-json] wrote {kept} (" in err and f"[html] wrote {html} (" in err and kept.is_file()
     assert "[compare] against the full cache:" in out and "fp32" not in out + err
     assert out.strip().splitlines()[-1].startswith("[snapkv K=16 r=4 int8]")
+    G.main(["--model", tiny_lab.model, "--quant", "int8", "--max-new-tokens", "4", "--compare"])  # --policy full
+    assert "--policy full is the full cache itself: one answer, nothing to compare" in capsys.readouterr().err
 
 
 def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
