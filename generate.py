@@ -377,9 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
     ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
                     "--show-kept (default: the middle layer) kept, per KV head, as JSON for `eval.py plot`")
-    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (or --vs) and show "
-                    "where the two texts first differ; with --quant that answer runs on the exact fp32 weights, and "
-                    "both speeds are printed")
+    ap.add_argument("--compare", action="store_true", help="also answer with the full cache (or --vs) on the same "
+                    "weights (with --quant, the same quantized ones: no second model is loaded) and show where the "
+                    "two texts first differ, and both speeds")
     ap.add_argument("--vs", default=None, choices=sorted(POLICIES), metavar="POLICY", help="the policy --compare "
                     "answers with (default full), at the same --budget, --buffer and --protect-prompt")
     ap.add_argument("--html", default=None, metavar="FILE", help="write one self-contained page (open it in a "
@@ -412,7 +412,7 @@ def divergence(tok, ref: list[int], got: list[int], policy: str, words: int = 6,
     text either side of the first token where the two differ."""
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     same = sum(a == b for a, b in zip(ref, got)) / max(len(ref), len(got))
-    against = {"full": "the full cache", "full fp32": "the exact fp32 full cache"}.get(vs, vs)
+    against = "the full cache" if vs == "full" else vs
     head = f"[compare] against {against}: {same:.0%} of positions agree; "
     if n == len(ref) == len(got):
         return head + "the two answers are identical"
@@ -431,7 +431,7 @@ def compare_run(args, prompt_len: int) -> Run | None:
     if args.vs == args.policy:
         raise UsageError(f"--vs {args.vs} is the --policy itself: compare it with another, e.g. --vs "
                          f"{'snapkv' if args.vs == 'full' else 'full'}")
-    if not args.compare or vs == args.policy and not args.quant:  # --policy full --compare: nothing to compare
+    if not args.compare or vs == args.policy:  # --policy full --compare: nothing to compare
         return None
     return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
 
@@ -466,11 +466,16 @@ def run_cli(args):
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
     make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
-    compare_run(args, 1)
+    comparing = compare_run(args, 1) is not None
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
     distinct_outputs(**{"--kept-json": args.kept_json, "--html": args.html})
-    args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once (--compare --quant loads twice)
+    args.model = local_model(args.model)  # a Hub id: its snapshot, downloaded once
+    if comparing:  # what --compare costs, said before anything loads: a second answer, no second model
+        note(f"[compare] after the answer, a second one with {'--vs ' + args.vs if args.vs else 'the full cache'} on "
+             f"the same {args.quant or 'dense'} weights: no second model is loaded")
+    elif args.compare:
+        note("[compare] --policy full is the full cache itself: one answer, nothing to compare it with")
     t0 = time.perf_counter()
     note("[load] reading the model ...")
     model, tok = load(args.model, args.device, args.dtype, args.quant, args.thinking)
@@ -500,28 +505,34 @@ def run_cli(args):
             printed[0] = len(text)
 
     sampling = (args.max_new_tokens, args.temperature, args.top_p, tok.eos_ids)
-    (ids,), cache, t = generate(model, [prompt], run, *sampling, on_token=lambda row, ids: stream(ids))
-    peak = peak_memory_mb(model.device)  # this run's own: --compare's answer (and its model) come later
+    # the streamed text shows the answer's progress on a terminal; printed to a file, a bar on stderr does instead
+    with tqdm(total=args.max_new_tokens, desc=f"[{args.policy}] answer", unit="tok", leave=False, file=sys.stderr,
+              disable=sys.stdout.isatty() or not sys.stderr.isatty()) as bar:
+        (ids,), cache, t = generate(model, [prompt], run, *sampling,
+                                    on_token=lambda row, ids: (stream(ids), bar.update(1)))
     print()
     layer = args.show_kept if args.show_kept is not None and args.show_kept >= 0 else L // 2
     if args.show_kept is not None:
         print(viewer.show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
-        write_output("--kept-json", args.kept_json, json.dumps(viewer.kept_map(cache, layer, run, args.policy)))
+        size = write_output("--kept-json", args.kept_json, json.dumps(viewer.kept_map(cache, layer, run, args.policy)))
+        note(f"[kept-json] wrote {args.kept_json} ({size / 1e3:.1f} kB): layer {layer}'s kept positions, for "
+             f"`python eval.py plot {args.kept_json} --out DIR`")
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     views = [(args.policy, run, rec, ids)]
     if other:
         other_rec = viewer.Recording(other) if args.html else None
-        # with --quant the reference runs on the exact path, fp32 weights: what quantization and eviction changed
-        # together, and how much faster they decode
-        ref_model = load(args.model, args.device, "float32")[0] if args.quant else model
-        what = ("full-cache" if vs == "full" else vs) + (" (exact fp32)" if args.quant else "")
+        # the reference runs on the same weights, quantized or not: --compare asks what eviction changed, and only a
+        # reference that differs in the cache alone answers that. An fp32 reference would mix quantization's change
+        # into it and load a second model (7.1 GB more for the 1.5B in int4); quantization's own change is measured
+        # by tools/compare_modes.py
+        what = "full-cache" if vs == "full" else vs
         with tqdm(total=args.max_new_tokens, desc=f"[compare] {what} answer", unit="tok", leave=False,
                   file=sys.stderr) as bar:
-            ref, _, tf = generate(ref_model, [prompt], other, *sampling, on_token=lambda row, ids: bar.update(1))
+            ref, _, tf = generate(model, [prompt], other, *sampling, on_token=lambda row, ids: bar.update(1))
         note(f"[compare] {what} answer: {len(ref[0])} tokens, prefill {tf['prefill_s']:.1f} s, "
              f"decode {tf['decode_s']:.1f} s, {speed(ref[0], tf)} tok/s")
-        print(divergence(tok, ref[0], ids, args.policy, vs=vs + (" fp32" if args.quant else "")))
+        print(divergence(tok, ref[0], ids, args.policy, vs=vs))
         views.append((vs, other, other_rec, ref[0]))
     if tok.thinks:  # where each answer's thinking ended, for a thinking model
         for name, _, _, out in views:
@@ -535,6 +546,7 @@ def run_cli(args):
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
     K += f" {args.quant}" if args.quant else ""
+    peak = peak_memory_mb(model.device)  # the whole process's, at the end: --compare's answer and the page included
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
           f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak:.0f} MB")
 

@@ -2959,9 +2959,30 @@ def test_claims_fidelity_perturbation_and_head_tables(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the --html viewer: the recording, the page's data, and the page in a real browser (Debian's chromium)
+# the --html viewer: the recording, the page's data, and the page in a real browser (any Chromium or Chrome)
 
-CHROMIUM = "/usr/bin/chromium"  # .ci/run installs it when absent
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+INSTALL_BROWSER = ("apt-get install -y chromium (Debian, Ubuntu), or any Chromium or Chrome on PATH, or "
+                   "NANOKV_CHROMIUM=/path/to/it")
+
+
+def find_browser() -> str:
+    """The headless browser the viewer's tests drive: $NANOKV_CHROMIUM, else the first Chromium or Chrome on PATH.
+    None found: skipped, with the install command (pytest -rs prints it), except under CI=true, where it fails."""
+    import shutil
+
+    named = os.environ.get("NANOKV_CHROMIUM")
+    if named:  # named on purpose: a wrong name is an error, not a skip
+        assert shutil.which(named), f"NANOKV_CHROMIUM={named} is not an executable: {INSTALL_BROWSER}"
+        return shutil.which(named)
+    found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if found:
+        return found
+    why = f"no Chromium or Chrome found for the viewer's browser tests: {INSTALL_BROWSER}"
+    if os.environ.get("CI") == "true":  # CI must run them (.ci/run installs Debian's chromium)
+        pytest.fail(why)
+    pytest.skip(why)
+
 HOSTILE = [b"<script>document.documentElement.dataset.pwned = 1</script>", b"</script>", b"\"'`", b"\xff",
            b"<img src=x onerror=\"document.documentElement.dataset.pwned = 2\">", b"\xe2\x80", b"\x9d", b"<!--",
            b"&amp;"]  # if any of it ran as markup, <html> would carry data-pwned
@@ -3041,9 +3062,9 @@ def test_token_texts_and_embedded_json():
 def chromium(page, tmp_path, *flags) -> str:
     """Open a page in headless chromium (off the network: no background fetches, no QUIC) and return its stdout; any
     console message (a script error, a blocked fetch) fails the test."""
-    assert os.path.exists(CHROMIUM), "the viewer's tests need Debian's chromium: apt-get install -y chromium"
+    browser = find_browser()
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"  # a fresh profile for every run
-    p = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                         "--disable-background-networking", "--disable-component-update", "--disable-sync",
                         f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *flags, page],
                        capture_output=True, text=True, timeout=HANG)
@@ -3111,11 +3132,11 @@ def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_pa
     for h in range(tiny.cfg.num_key_value_heads):
         cells = dom.rows[(0, h)]
         assert len(cells) == len(prompt) + len(ids)
-        assert [c in "kvpb" for c in cells[:fed]] == want[layer, h].tolist() and set(cells[fed:]) <= {"f"}
+        assert [c in "kvpbn" for c in cells[:fed]] == want[layer, h].tolist() and set(cells[fed:]) <= {"f"}
         marks = {p for p, c in enumerate(cells) if c == "v"}
         assert marks == set(((last.scores[layer, h] >= P.BIG) & last.kept[layer, h]).nonzero()[:, 0].tolist())
         now = len(prompt) + step  # positions fed by this step
-        assert len(marks) == 2 and dom.rows[(1, h)] == ["k"] * now + ["f"] * (len(cells) - now)  # the full cache
+        assert len(marks) == 2 and dom.rows[(1, h)] == ["n"] * now + ["f"] * (len(cells) - now)  # the full cache
     n = len(prompt) + len(ids)  # spans per run: the vase run's, then the full cache's
     held = [s[1] for s in dom.spans]
     assert len(held) == 2 * n and held[:fed] == want.sum((0, 1)).tolist() and held[n:] == [6] * now + [0] * (n - now)
@@ -3159,14 +3180,16 @@ def cli_page(tiny_lab, tmp_path_factory):
 
 def test_html_page_loads_offline_and_draws(cli_page, tmp_path, capsys):
     """The page of a real run loads with no console error; it shows both policies' maps and texts; nothing in it
-    would be fetched (no URL, src, href, url() or import outside the data, and a policy forbids any fetch); and a
+    would be fetched (no URL, src, href but the exports' data: URLs, url() or import outside the data, and a policy
+    forbids any fetch); and a
     screenshot shows the drawn page, not a blank one."""
     from PIL import Image
 
     html = cli_page.read_text()
     data = html.index('<script type="application/json"')
     outside = html[:data] + html[html.index("</script>", data) :]  # the page less its data (the text may hold URLs)
-    assert not re.search(r"(?i)\b(https?|ftp|wss?):|\bsrc\s*=|\bhref\s*=|url\(|@import|fetch\(|XMLHttpRequest", outside)
+    links = r"\bhref\s*=(?!\s*(\"data:application/json|mapPicture\(i\)\.toDataURL))"  # but the exports' data: URLs
+    assert not re.search(r"(?i)\b(https?|ftp|wss?):|\bsrc\s*=|" + links + r"|(?<!toData)url\(|@import|fetch\(|XMLHttpRequest", outside)
     assert "default-src 'none'" in html and len(html) < 200_000
     dom = Dom(chromium(cli_page.as_uri(), tmp_path, "--dump-dom"))
     assert "data-errors" not in dom.root and {r for r, _ in dom.rows} == {0, 1} and len(dom.rows) == 4
@@ -4448,3 +4471,148 @@ def test_refill_bench_replays_the_step_counts(tiny):
         _, _, tb = G.generate(tiny, REFILL[i : i + 2], run, 40, eos_ids=REFILL_EOS)
         steps, rows = steps + tb["steps"], rows + tb["row_steps"]
     assert tool.batch_steps([len(o) for o in outs], 2) == (steps, rows)
+    assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+
+
+# ---- issue 55: what a new user found (the README's two commands, the viewer) ----
+
+
+def test_no_browser_is_a_skip_with_the_install_command_and_a_failure_under_ci(tmp_path, monkeypatch):
+    """The viewer's browser tests find any Chromium or Chrome on PATH or in NANOKV_CHROMIUM; with none, they are
+    skipped with the install command, except under CI=true, where they fail; a NANOKV_CHROMIUM that is no program
+    fails, and one that is a program is the one used."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("NANOKV_CHROMIUM", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install -y chromium"):
+        find_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y chromium"):
+        find_browser()
+    fake = tmp_path / "google-chrome"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert find_browser() == str(fake)  # any Chrome on PATH
+    monkeypatch.setenv("NANOKV_CHROMIUM", str(tmp_path / "nope"))
+    with pytest.raises(AssertionError, match="NANOKV_CHROMIUM=.*nope is not an executable"):
+        find_browser()
+
+
+def test_compare_with_quant_loads_one_model_and_reports_the_whole_peak(tiny_lab, tmp_path, capsys, monkeypatch):
+    """--compare with --quant answers again on the same quantized weights: one model loaded, said on stderr before it
+    loads; the summary's peak is read after the second answer and the page (the whole process's); --kept-json and
+    --html each say what they wrote; --policy full --compare says there is nothing to compare."""
+    calls = []
+    for name in ("load", "generate", "peak_memory_mb"):
+        real = getattr(G, name)
+        monkeypatch.setattr(G, name, lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k))
+    kept, html = tmp_path / "kept.json", tmp_path / "kept.html"
+    G.main(["--model", tiny_lab.model, "--quant", "int8", "--policy", "snapkv", "--budget", "16", "--buffer", "4",
+            "--max-new-tokens", "30", "--prompt", "What is 2 + 2?", "--compare", "--kept-json", str(kept),
+            "--html", str(html)])
+    out, err = capsys.readouterr()
+    assert calls == ["load", "generate", "generate", "peak_memory_mb"]
+    assert err.index("on the same int8 weights: no second model is loaded") < err.index("[load] reading")
+    assert f"[kept-json] wrote {kept} (" in err and f"[html] wrote {html} (" in err and kept.is_file()
+    assert "[compare] against the full cache:" in out and "fp32" not in out + err
+    assert out.strip().splitlines()[-1].startswith("[snapkv K=16 r=4 int8]")
+    G.main(["--model", tiny_lab.model, "--quant", "int8", "--max-new-tokens", "4", "--compare"])  # --policy full
+    assert "--policy full is the full cache itself: one answer, nothing to compare" in capsys.readouterr().err
+
+
+def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
+    """The page opens at the first eviction round with a hint to press play, and names both runs in the status line.
+    At a later round the map tells apart the positions that round evicted from those evicted earlier, and draws as
+    unscored the held positions no round has ranked; each head's cut-off is the lowest score the ranking kept (every
+    evicted ranked slot scored at most that); the position axis is labelled; the JSON export holds the shown kept sets
+    in --kept-json's form (eval.py plot reads it), and the PNG export is the map, a column per position."""
+    import base64
+    import html as H
+    import urllib.parse
+    from io import BytesIO
+
+    from PIL import Image
+
+    prompt, runs = recorded
+    views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
+             for name, (run, rec, ids, _) in runs.items()]
+    page = tmp_path / "kept.html"
+    page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
+    run, rec, ids, _ = runs["vase"]
+    P_, fed, protect = len(prompt), len(prompt) + len(ids) - 1, run.protect_below[0]
+    first = max(0, rec.rounds[0].at - P_)
+    dom = Dom(chromium(page.as_uri(), tmp_path, "--dump-dom"))
+    where = dom.text["where"]
+    assert f"vase K=24 r=4: decode step {first} of " in where and f"round 1 of {len(rec.rounds)}" in where
+    assert "press play" in where and "full cache: decode step" in where and "never evicts" in where
+    k = 3  # a later round, between its step and the next one's
+    r, prev = rec.rounds[k], rec.rounds[k - 1]
+    step, layer = r.at - P_ + 1, 1
+    raw = chromium(page.as_uri() + f"#step={step}&layer={layer}", tmp_path, "--dump-dom")
+    dom = Dom(raw)
+    n = P_ + step
+    for h in range(tiny.cfg.num_key_value_heads):
+        cells = dom.rows[(0, h)]
+        now = {p for p in range(r.at) if not r.kept[layer, h, p]}
+        before = {p for p in range(prev.at) if not prev.kept[layer, h, p]}
+        assert {p for p, c in enumerate(cells) if c == "x"} == before and before
+        assert {p for p, c in enumerate(cells) if c == "e"} == now - before and now - before
+        assert {p for p, c in enumerate(cells) if c == "n"} == set(range(max(protect, r.at - run.buffer),
+                                                                         n - run.buffer)) - now
+    cut = viewer.cut_off(r, protect, run.buffer)  # [L, H_kv]
+    for h in range(tiny.cfg.num_key_value_heads):
+        ranked = ~r.scores[layer, h].isnan() & (r.scores[layer, h] < P.BIG)
+        ranked[:protect] = ranked[r.at - run.buffer :] = False
+        assert cut[layer, h] == r.scores[layer, h][ranked & r.kept[layer, h]].min()
+        assert (r.scores[layer, h][ranked & ~r.kept[layer, h]] <= cut[layer, h]).all()
+    shown = [float(x) for x in re.findall(r"cut-off (-?\d[\d.]*(?:e[+-]\d+)?)", dom.text["maps"])[:2]]  # run 0's heads, float16-rounded
+    assert shown == pytest.approx(cut[layer].tolist(), rel=2e-3)
+    N_ = len(prompt) + len(ids)  # positions drawn; the axis labels one every 1, 2, 5, 10, 20 ... about ten in all
+    every = next(d for d in (1, 2, 5, 10, 20, 50) if N_ / d <= 12)
+    assert "position" + "".join(str(p) for p in range(0, N_, every)) in dom.text["maps"]
+    href = lambda kind: H.unescape(re.search(rf'id="save-{kind}-0"[^>]*href="([^"]*)"', raw).group(1))
+    kept = json.loads(urllib.parse.unquote(href("json").split(",", 1)[1]))
+    want = held_at(rec, step, P_, fed)[layer]  # [H_kv, fed]
+    assert kept["heads"] == [w[:n].nonzero()[:, 0].tolist() for w in want] and kept["positions"] == n
+    assert (kept["layer"], kept["step"], kept["budget"], kept["policy"]) == (layer, step, 24, "vase")
+    assert plot.check_map(kept, "export") is kept
+    with Image.open(BytesIO(base64.b64decode(href("png").split(",", 1)[1]))) as im:
+        assert im.format == "PNG" and im.size == (N_ * -(-800 // N_), 18 + 11 * tiny.cfg.num_key_value_heads)
+        assert len(im.convert("RGB").getcolors(1 << 16)) >= 5  # the states' colours, not a blank picture
+
+
+def test_first_answer_shows_a_bar_when_its_text_goes_to_a_file(tiny_lab):
+    """Printed to a file or a pipe, the answer streams where nobody watches it: a bar on stderr (a terminal here)
+    counts its tokens instead; on a terminal stdout, the streamed text is the progress and no bar is drawn."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    def drain(fd) -> bytes:  # all a pty's child wrote, until it closes its end
+        out = b""
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed its end
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+    def stderr_of(stdout_tty: bool) -> str:
+        (master, slave), (out_m, out_s) = pty.openpty(), pty.openpty() if stdout_tty else (None, subprocess.PIPE)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+        p = subprocess.Popen([sys.executable, "generate.py", "--model", tiny_lab.model, "--policy", "snapkv",
+                              "--budget", "16", "--buffer", "4", "--max-new-tokens", "40", "--prompt", "2 + 2?"],
+                             cwd=HERE, stdout=out_s, stderr=slave)
+        os.close(slave)
+        if stdout_tty:
+            os.close(out_s)
+        err = drain(master)
+        drain(out_m) if stdout_tty else p.stdout.read()
+        assert p.wait(timeout=HANG) == 0, err[-2000:]
+        return err.decode("utf-8", "replace")
+
+    assert re.search(r"\[snapkv\] answer: +\d+%", stderr_of(False))  # a tqdm bar, redrawn on the terminal
+    assert "[snapkv] answer:" not in stderr_of(True)

@@ -4,8 +4,9 @@ and the --html page, one self-contained file (viewer.html filled with a run's da
 over the answer's own text, per layer and KV head. A Recording takes the rounds from the run itself, through Run.watch
 (the hook eval.kept_share uses): the scores cache.evict ranks, then what each layer and head kept; without one, nothing
 is recorded or paid. Marks come from those scores, so no policy logic is repeated: a score >= policies.BIG means "keep
-before ranking the rest" (VASE's widest-value reserve, CriticalKV's stage 1). A model's text is untrusted: it travels
-as escaped JSON and the page sets it as text, never as markup. Left out: other batch rows, the policies' side state.
+before ranking the rest" (VASE's widest-value reserve, CriticalKV's stage 1), and each round's cut-off, the lowest
+score the ranking kept, tells what a score meant there. A model's text is untrusted: it travels as escaped JSON and
+the page sets it as text, never as markup. Left out: other batch rows, the policies' side state.
 """
 
 import base64
@@ -121,6 +122,17 @@ def halves(x: Tensor) -> str:
         return base64.b64encode(x.flatten().numpy().astype("<f2").tobytes()).decode()
 
 
+def cut_off(r: Round, protect_below: int, buffer: int) -> Tensor:
+    """[L, H_kv]: the score a slot needed to stay at round r, the lowest that the ranking kept (the K'-th highest of the
+    ranked slots, K' = what the budget leaves after the protected, the recent buffer and the must-keeps). NaN where the
+    round ranked nothing; a slot evicted there scored at most this."""
+    ranked = ~r.scores.isnan() & (r.scores < BIG)  # [L, H_kv, at]: held and scored, no must-keep
+    ranked[..., :protect_below] = False  # the protected prompt or the sinks
+    ranked[..., max(0, r.at - buffer) :] = False  # the recent buffer at the round: never ranked
+    low = r.scores.masked_fill(~(ranked & r.kept), math.inf).amin(-1)
+    return low.masked_fill(low == math.inf, math.nan)
+
+
 def view(name: str, run, rec: Recording, prompt: list[int], ids: list[int], pieces: list[bytes],
          thinking: int = 0) -> dict:
     """One run as the page reads it. ids: the answer (its last token was sampled, never fed); pieces: the bytes of
@@ -131,10 +143,12 @@ def view(name: str, run, rec: Recording, prompt: list[int], ids: list[int], piec
     for r in rec.rounds:
         marked = r.scores >= BIG  # NaN compares False: only held positions are marked
         rounds.append({"at": r.at, "kept": bits(r.kept), "scores": halves(r.scores),
-                       "marked": bits(marked) if marked.any() else None})
+                       "marked": bits(marked) if marked.any() else None,
+                       "cut": halves(cut_off(r, run.protect_below[rec.row], run.buffer))})
     evicting = run.budget is not None
     return {"name": name, "label": f"{name} K={run.budget} r={run.buffer}" if evicting else "full cache",
-            "buffer": run.buffer if evicting else 0, "protect_below": run.protect_below[rec.row] if evicting else 0,
+            "budget": run.budget, "buffer": run.buffer if evicting else 0,
+            "protect_below": run.protect_below[rec.row] if evicting else 0,
             "fed": len(prompt) + len(ids) - 1, "ids": prompt + ids, "tokens": texts, "odd": odd,
             "think_end": len(prompt) + thinking if thinking else None,  # the first position after the thinking
             "mark": MARKS.get(name, "the scorer's must-keep (score >= BIG)"), "rounds": rounds}
