@@ -4471,7 +4471,6 @@ def test_refill_bench_replays_the_step_counts(tiny):
         _, _, tb = G.generate(tiny, REFILL[i : i + 2], run, 40, eos_ids=REFILL_EOS)
         steps, rows = steps + tb["steps"], rows + tb["row_steps"]
     assert tool.batch_steps([len(o) for o in outs], 2) == (steps, rows)
-    assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
 
 
 # ---- issue 55: what a new user found (the README's two commands, the viewer) ----
