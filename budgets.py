@@ -3,10 +3,10 @@ Budgets that differ per head: policies score, budgets allocate. Every other poli
 same K; AdaKV lets the KV heads of one layer share the layer's budget unevenly, by pooling their scores.
 
 Two rules, each as its reference code computes it (DESIGN.md §6b):
-- `adakv`: the authors' FFY0/AdaKV `AdaptiveSnapKVCluster.update_kv_gqa`: b_h = round(n_h (1 - α) + ⌊α n⌋), n_h the
-  head's share of the layer's pooled top H_kv * n; a blend towards the uniform n.
-- `safeguarded`: kvpress `CriticalAdaKVPress` (the CriticalKV authors' code): every head's top ⌊α n⌋ first, then b_h =
-  the head's share of the pooled top H_kv * n; a floor, above which a head keeps what it wins.
+- `adakv`: the authors' FFY0/AdaKV `AdaptiveSnapKVCluster.update_kv_gqa`: b_h = round(n_h (1 - α) + ⌊α n⌋),
+  n_h the head's share of the layer's pooled top H_kv * n; a blend towards the uniform n.
+- `safeguarded`: kvpress `CriticalAdaKVPress` (the CriticalKV authors' code): every head's top ⌊α n⌋ first, then
+  b_h = the head's share of the pooled top H_kv * n; a floor, above which a head keeps what it wins.
 A scorer that gives heads their own budgets sets ScoreCtx.keep (policies.adakv, policies.criticalkv_ada); cache.evict
 then keeps keep[b, h] slots in head h, and the cache is sized by head_cap. AdaKV: https://arxiv.org/abs/2407.11550.
 """
@@ -14,7 +14,7 @@ then keeps keep[b, h] slots in head h, and the cache is sized by head_cap. AdaKV
 import torch
 from torch import Tensor
 
-SAFEGUARD = 0.2  # α: the share of the uniform budget every head keeps whatever the pool says (both references' default)
+SAFEGUARD = 0.2  # α: the share of the uniform budget every head keeps whatever the pool says (both references')
 
 
 def head_cap(n_kv_heads: int, n: int, alpha: float = SAFEGUARD) -> int:

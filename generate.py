@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import budgets
 import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
-from cache import KVCache
+from cache import FREE, KVCache
 from cli import (Parser, UsageError, add_device_args, check_output, load, note, output_failed, peak_memory_mb,
                  write_output)
 from model import ModelError
@@ -62,7 +62,7 @@ class Run:
     rounds: list[int] = field(default_factory=list)  # per row: eviction rounds so far
     evict_s: float = 0.0  # seconds spent evicting, all rows
     max_slots: int = 0  # most slots any row ever held
-    span: int = 0  # slots a row spans after a round (make_cache): K, or with per-head budgets the most one head may hold
+    span: int = 0  # slots a row spans after a round (make_cache): K, or with per-head budgets the most a head may hold
     # watch(cache, b, when, scores) around each eviction of batch row b, untimed (eval.py, viewer.py). when: "before",
     # "scored" (no slot has moved yet; scores: row b's per layer, [H_kv or 1, S] each, as cache.evict will rank them)
     # or "after"; scores is None but at "scored"
@@ -213,8 +213,9 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = 
     n, done = ([T] * B if n is None else list(n)), [0] * B
     out_logits = None
     while any(d < m for d, m in zip(done, n)):
-        take = [min(m - d, cache.capacity - l, run.due(row) - l if run.budget else m) for m, d, l, row in
-                zip(n, done, cache.length, cache.rows)]
+        # as far as the cache holds, and no further than where a row's eviction is due
+        take = [min(m - d, cache.capacity - l, m if run.budget is None else run.due(row) - l)
+                for m, d, l, row in zip(n, done, cache.length, cache.rows)]
         if any(t <= 0 < m - d for t, m, d in zip(take, n, done)):
             raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
         Tc = max(take)
@@ -455,8 +456,13 @@ def run_cli(args):
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
     K += f" {args.quant}" if args.quant else ""
+    held = f"slots {cache.length[0]} held, {run.max_slots} max"
+    if cache.holes:  # per-head budgets: a row spans its fullest head's slots, most heads hold fewer
+        per_head = (cache.pos[:, 0] != FREE).sum(-1)  # [L, H_kv]
+        held = (f"slots per head {per_head.min()}-{per_head.max()} held (mean {per_head.float().mean():.0f}), "
+                f"{cache.capacity} allocated")
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
-          f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak:.0f} MB")
+          f"{held} | {ev} | peak {peak:.0f} MB")
 
 
 if __name__ == "__main__":
