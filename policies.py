@@ -7,7 +7,7 @@ from the last w queries, w x S, or from one extra q.K^T per decode step for H2O)
 Papers: EPIKV (https://arxiv.org/abs/2606.26472), VASE (https://arxiv.org/abs/2606.03928), CriticalKV
 (https://arxiv.org/abs/2502.03805), Random Attention (prompt protection + per-head random keep), and the
 baselines SnapKV (https://arxiv.org/abs/2404.14469), H2O (https://arxiv.org/abs/2306.14048), StreamingLLM
-(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133).
+(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133), AdaKV (https://arxiv.org/abs/2407.11550).
 """
 
 import math
