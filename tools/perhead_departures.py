@@ -11,6 +11,8 @@ at the first eviction round, where both see the same cache (the references run o
   stage 1 reach; nanokv always keeps the newest r. Counted with the tests' transcription of kvpress
   (test_all.ref_critical_ada) on the model's own keys, values, window queries and W_O: window slots kvpress drops,
   and the Jaccard of the rest.
+- adakv's cap: from the second round a head holds only its own slots, and budgets.adakv caps b_h at them. Counted over
+  a whole answer at K = 128 and 192: how many (layer, head, round) budgets the cap bound, and the slots it cost.
 """
 
 import sys
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import torch  # noqa: E402
 
+import budgets  # noqa: E402
 import generate as G  # noqa: E402
 from cache import FREE  # noqa: E402
 from cli import load  # noqa: E402
@@ -98,6 +101,28 @@ def main():
                 total += r
                 j.append(jaccard(kept[l][h] - window, w - window))
         print(f"| {K} | {int(0.2 * K)} | {dropped} of {total} | {sum(j) / len(j):.3f} | {same} |")
+    print("\nadakv over the whole answer (default protection, r = 64): budgets the cap bound")
+    count = {}
+    blend = budgets.adakv
+
+    def spy(s, n, alpha=budgets.SAFEGUARD):  # the blend before the cap, beside the capped budgets
+        b, free = blend(s, n, alpha), (budgets.pooled_counts(s, n) * (1 - alpha) + int(alpha * n)).round().long()
+        count["heads"] += b.numel()
+        count["capped"] += int((b < free).sum())
+        count["lost"] += int((free - b).sum())
+        return b
+
+    budgets.adakv = spy
+    try:
+        for K in (128, 192):
+            count.update(heads=0, capped=0, lost=0)
+            run = G.make_run("adakv", K, r, None, len(PROMPT))
+            with torch.inference_mode():
+                G.generate(model, [PROMPT], run, len(answer))
+            print(f"K = {K}: {run.evictions} rounds, {count['heads']} (layer, head) budgets, {count['capped']} capped, "
+                  f"{count['lost']} slots lost")
+    finally:
+        budgets.adakv = blend
 
 
 if __name__ == "__main__":
