@@ -3853,3 +3853,17 @@ def test_equal_per_head_budgets_keep_what_uniform_keeps(tiny, name, monkeypatch)
     assert held(cache) == held(ref_cache)
     one, _, _ = per_head_run(tiny, name, [PROMPTS[1]], n=40)
     assert one[0] == ref[1]
+
+
+def test_viewer_shows_each_heads_own_budget(tiny_lab, tmp_path):
+    """`generate.py --policy adakv --html`: beside each head's row of the map the page gives the slots that head holds,
+    the count of its row's held cells; the heads' counts differ, and the legend says why."""
+    page = tmp_path / "kept.html"
+    G.main(["--model", tiny_lab.model, "--policy", "adakv", "--budget", "24", "--buffer", "4", "--max-new-tokens", "60",
+            "--html", str(page)])
+    html = chromium(page.as_uri(), tmp_path, "--dump-dom")
+    dom = Dom(html)
+    labels = [int(n) for n in re.findall(r"head \d+: (\d+) slots", html)]
+    held = [sum(c not in ("x", "f") for c in dom.rows[(0, h)]) for h in range(len(labels))]
+    assert len(labels) == len(dom.rows) >= 2 and labels == held and len(set(labels)) > 1
+    assert "its own budget where heads differ" in dom.text["legend"]
