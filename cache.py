@@ -6,8 +6,9 @@ subset of positions without re-rotating anything (StreamingLLM-style re-rotation
 Everything that rides with a slot (position, H2O's accumulated attention, EPIKV's frozen score) is
 gathered with it. The rows of a batch are independent: each holds its own number of slots, counts its own
 positions and is evicted on its own cadence. A slot past a row's length is free: its position reads FREE, later
-than any query, so every causal-by-position test hides it. References: kvpress `ScorerPress.compress`,
-gpt-fast / nanochat KV caches.
+than any query, so every causal-by-position test hides it. With budgets that differ per head (evict_per_head), a head
+holding fewer slots than the row spans has free slots inside the row too, hidden the same way. References: kvpress
+`ScorerPress.compress`, gpt-fast / nanochat KV caches.
 """
 
 from dataclasses import dataclass

@@ -5,7 +5,8 @@ Generate text with a KV-cache eviction policy: prefill, decode loop, eviction ca
     python generate.py --policy criticalkv --html kept.html    # then open kept.html in a browser
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
-slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
+slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest); a per-head
+policy (adakv, criticalkv-ada) splits the layer's heads x budget unevenly between its heads (budgets.py).
 Several prompts of different lengths decode as one batch, each row on its own eviction cadence; a batch of one
 row is the plain batch-1 decoder. Left out: rows joining a running batch (continuous batching), speculative
 decoding, paged memory.
