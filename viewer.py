@@ -25,7 +25,8 @@ from policies import BIG
 TEMPLATE = Path(__file__).with_name("viewer.html")
 # what a score >= BIG means, in the words of the policies that use it (policies.vase, policies.criticalkv)
 MARKS = {"vase": "VASE's reserve: the widest value ranges", "vase-topk": "VASE's reserve: the widest value ranges",
-         "criticalkv": "CriticalKV's stage 1: SnapKV's top half of the budget"}
+         "criticalkv": "CriticalKV's stage 1: SnapKV's top half of the budget",
+         "criticalkv-ada": "CriticalAdaKV's safeguard and stage 1: SnapKV's top half of each head's budget"}
 
 
 # -----------------------------------------------------------------------------
