@@ -245,6 +245,7 @@ def measure_here(o: dict, path: str | None = None) -> dict:
     model.eager = o["eager"]
     reset_peak(device)  # note: the peak then counts the resident weights and torch, not the loading transient
     run, cache, logits = decoder(model, o, B, steps)
+    run.watch = heads = head_watch(run)  # each round's slots per (layer, KV head): the per-head budgets, untimed
     rounds0, evict0, slots, spent = run.evictions, run.evict_s, 0, Counter()
     on_cpu = torch.device(device).type == "cpu"
     sync(device)
@@ -266,6 +267,7 @@ def measure_here(o: dict, path: str | None = None) -> dict:
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cache.k.element_size()
     roof_tok_s = B * matvec_bandwidth(device, dtype) / (w_bytes + kv_bytes * slots / steps)
     side = {}
+    mem = kv_memory(cache, run, heads.held) if run.budget is not None else {}  # before the cache is freed
     if o.get("side_by_side") and B > 1:
         del cache  # the row's own decoder is done: free its slots before two more decoders fill theirs
         side["speedup_side_by_side"] = side_by_side(model, o)
@@ -274,11 +276,40 @@ def measure_here(o: dict, path: str | None = None) -> dict:
         "roofline": round(B * steps / dt / roof_tok_s, 3),  # fraction of the bandwidth-bound tokens/s
         "evict_ms": round(ev_s / n_ev * 1e3, 3) if n_ev else None,  # mean per row per eviction round
         "evict_share": round(ev_s / dt, 4), "evictions": n_ev,
-        **split, **side, "peak_mb": round(peak, 1), "slots": run.max_slots,
+        **split, **side, **mem, "peak_mb": round(peak, 1), "slots": run.max_slots,
         # the 1-minute load average: other jobs on the machine spoil the timings, so each row says how busy it was
         "used_threads": torch.get_num_threads(), "load": round(os.getloadavg()[0], 2),
         **({"cpu": " ".join([info["cpu"], info["capability"], *info["flags"]])} if on_cpu else {}),
     }
+
+
+def head_watch(run):
+    """A Run.watch that records, after each round, how many slots each (layer, KV head) of the row keeps: [L, H_kv]
+    per row-round in .held (a head's budget b_h is that minus the buffer)."""
+    from cache import FREE
+
+    def watch(cache, b, when, scores):
+        if when == "after":
+            watch.held.append((cache.pos[:, b] != FREE).sum(-1).cpu())  # [L, H_kv]
+
+    watch.held = []
+    return watch
+
+
+def kv_memory(cache, run, held: list) -> dict:
+    """Allocated and used K+V bytes of all rows (MB), and how unequal the head budgets got: min / median / max of
+    b_h = slots a head keeps after a round minus the buffer, over every layer, head, row and round of the window.
+    Used: the slots holding a token at the fullest point of a cycle, just before a round (each head's kept slots + r);
+    a uniform policy uses all it allocates, a per-head one allocates every head for the fullest (budgets.head_cap)."""
+    per_slot = 2 * cache.k.shape[-1] * cache.k.element_size()  # K and V of one slot
+    alloc = cache.k.shape[0] * cache.k.shape[1] * cache.k.shape[2] * cache.capacity * per_slot
+    if not held:
+        return {"kv_alloc_mb": round(alloc / 1e6, 2)}
+    h = torch.stack(held)  # [rounds, L, H_kv]
+    used = (h.sum((1, 2)).double().mean().item() + h[0].numel() * run.buffer) * cache.k.shape[1] * per_slot
+    b = (h - run.buffer).flatten().double()
+    return {"kv_alloc_mb": round(alloc / 1e6, 2), "kv_used_mb": round(used / 1e6, 2), "head_cap": run.span - run.buffer,
+            "bh_min": int(b.min()), "bh_median": b.median().item(), "bh_max": int(b.max())}
 
 
 def matrix_bytes(w) -> int:

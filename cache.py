@@ -6,8 +6,9 @@ subset of positions without re-rotating anything (StreamingLLM-style re-rotation
 Everything that rides with a slot (position, H2O's accumulated attention, EPIKV's frozen score) is
 gathered with it. The rows of a batch are independent: each holds its own number of slots, counts its own
 positions and is evicted on its own cadence. A slot past a row's length is free: its position reads FREE, later
-than any query, so every causal-by-position test hides it. References: kvpress `ScorerPress.compress`,
-gpt-fast / nanochat KV caches.
+than any query, so every causal-by-position test hides it. With budgets that differ per head (evict_per_head), a head
+holding fewer slots than the row spans has free slots inside the row too, hidden the same way. References: kvpress
+`ScorerPress.compress`, gpt-fast / nanochat KV caches.
 """
 
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class KVCache:
         self.rows = list(range(B))  # each row's index in the request: stays put when finished rows leave
         self.pos.fill_(FREE)
         self.q_pos.fill_(-1)
+        self.holes = False  # True once heads hold different numbers of slots: attention must then mask free slots
 
     @property
     def batch(self) -> int:
@@ -151,10 +153,14 @@ class KVCache:
         recent = torch.arange(S, device=self.pos.device) >= S - n_recent
         return (self.pos[layer, rows, :, :S] < protect_below[:, None, None]) | recent
 
-    def evict(self, rows: slice, scores: list[Tensor], protected: list[Tensor], keep: int):
+    def evict(self, rows: slice, scores: list[Tensor], protected: list[Tensor], keep: int | list[Tensor],
+              span: int = 0):
         """Keep the `keep` best slots of each KV head of batch rows `rows` (n rows, each holding S slots), in every
         layer: the `protected` ones ([n, H_kv, S] bool, see protected()) always survive, the rest go by highest
-        score. scores[layer] is [n, H_kv or 1, S]; a single row of scores means one token set for all heads."""
+        score. scores[layer] is [n, H_kv or 1, S]; a single row of scores means one token set for all heads.
+        keep may instead give each head its own count, per layer [n, H_kv] (see evict_per_head)."""
+        if not isinstance(keep, int):
+            return self.evict_per_head(rows, scores, protected, keep, span)
         S, cap = self.length[rows.start], self.capacity
         for layer, (s, p) in enumerate(zip(scores, protected)):
             k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
@@ -175,3 +181,34 @@ class KVCache:
                 side[layer, rows, :, :keep] = side[layer, rows, :, :S].gather(2, idx)
         for b in range(rows.start, rows.stop):
             self.length[b] = keep
+
+    def evict_per_head(self, rows: slice, scores: list[Tensor], protected: list[Tensor], keep: list[Tensor], span: int):
+        """evict with budgets that differ per head: head h of a layer keeps its own keep[layer][b, h] best slots, in
+        order, at the front of the row; the slots behind them are free (position FREE, masked like any free slot) up to
+        `span`, the row's new length: the most one head may hold, so that every row appends at one slot as before.
+        Memory: the cache allocates span + r slots per head, a head uses its own keep + what arrived since."""
+        S = self.length[rows.start]
+        self.holes = True
+        for layer, (s, p, kh) in enumerate(zip(scores, protected, keep)):
+            k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
+            n, H, cap, D = k.shape
+            s = s.float().nan_to_num(nan=-float("inf")).expand(n, H, S).masked_fill(p, float("inf"))
+            s = s.masked_fill(pos[:, :, :S] == FREE, -float("inf"))  # a free slot is never kept
+            m = int(kh.max())
+            if m > span:
+                raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by head_cap")
+            # each head's best first; those past its own count sort to the end (as slot S), then temporal order
+            top = s.topk(m, dim=-1).indices  # [n, H_kv, m]
+            late = torch.arange(m, device=top.device) >= kh[..., None]
+            idx = top.masked_fill(late, S).sort(dim=-1).values  # [n, H_kv, m]
+            held = idx < S
+            idx = idx.clamp(max=S - 1)
+            flat = (idx + torch.arange(n * H, device=idx.device).view(n, H, 1) * cap).view(-1)  # as in evict
+            k[:, :, :m] = k.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
+            v[:, :, :m] = v.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
+            pos[:, :, :m] = pos[:, :, :S].gather(2, idx).masked_fill(~held, FREE)
+            pos[:, :, m : max(S, span)] = FREE
+            for side in self.side.values():
+                side[layer, rows, :, :m] = side[layer, rows, :, :S].gather(2, idx)
+        for b in range(rows.start, rows.stop):
+            self.length[b] = span

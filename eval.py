@@ -27,6 +27,7 @@ import torch
 
 from cli import (Parser, UsageError, add_device_args, int_list, load, local_model, made_on, minmax_int4, note,
                  output_failed, plain_text, policy_names, resolve_device)
+from cache import FREE
 from generate import generate, generate_refill, make_run
 from model import ModelError
 from policies import POLICIES
@@ -211,7 +212,8 @@ def kept_share(run):
     def watch(cache, b, when, scores):
         if when == "after":
             row, S = cache.rows[b], cache.length[b]
-            held = (cache.pos[:, b, :, :S] >= run.prompt_len[row]).sum(-1).double().mean().item()  # [L, H_kv] -> mean
+            pos = cache.pos[:, b, :, :S]  # a free slot (per-head budgets) sits at FREE, past the prompt: held by none
+            held = ((pos >= run.prompt_len[row]) & (pos != FREE)).sum(-1).double().mean().item()  # [L, H_kv] -> mean
             last[row] = (held, cache.next_pos[b])
 
     def kept(row: int, n: int) -> float:

@@ -5,7 +5,8 @@ Generate text with a KV-cache eviction policy: prefill, decode loop, eviction ca
     python generate.py --policy criticalkv --html kept.html    # then open kept.html in a browser
 
 Eviction (DESIGN.md §5): the newest `buffer` tokens are never scored; when the cache reaches budget + buffer
-slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest).
+slots, every layer keeps `budget` (protected prompt or sinks, the buffer, and the best-scored rest); a per-head
+policy (adakv, criticalkv-ada) splits the layer's heads x budget unevenly between its heads (budgets.py).
 Several prompts of different lengths decode as one batch, each row on its own eviction cadence; a batch of one
 row is the plain batch-1 decoder. `generate_refill` keeps a sweep's batch full (continuous batching): a finished
 row's place goes to the next prompt, prefilled apart and copied in. Left out: speculative decoding, paged memory.
@@ -31,8 +32,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+import budgets
 import viewer  # what the cache kept, drawn (--show-kept, --kept-json, --html): the CLI's alone, never the loop's
-from cache import KVCache
+from cache import FREE, KVCache
 from cli import (Parser, UsageError, add_device_args, check_output, distinct_outputs, load, local_model, note,
                  output_failed, peak_memory_mb, write_output)
 from model import ModelError
@@ -61,6 +63,7 @@ class Run:
     rounds: list[int] = field(default_factory=list)  # per row: eviction rounds so far
     evict_s: float = 0.0  # seconds spent evicting, all rows
     max_slots: int = 0  # most slots any row ever held
+    span: int = 0  # slots a row spans after a round (make_cache): K, or with per-head budgets the most a head may hold
     # watch(cache, b, when, scores) around each eviction of batch row b, untimed (eval.py, viewer.py). when: "before",
     # "scored" (no slot has moved yet; scores: row b's per layer, [H_kv or 1, S] each, as cache.evict will rank them)
     # or "after"; scores is None but at "scored"
@@ -74,6 +77,10 @@ class Run:
     @property
     def evictions(self) -> int:
         return sum(self.rounds)
+
+    def due(self, row: int) -> int:
+        """The slot count at which row `row` evicts: K + r; with per-head budgets, after its first round, span + r."""
+        return (self.span if self.rounds[row] else self.budget) + self.buffer
 
     @property
     def ring(self) -> int:
@@ -113,7 +120,11 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
     """A cache for each row of the request (or `batch` rows that its rows take turns in, generate_refill) and
     n_tokens per row: budget + buffer slots when evicting, else all."""
-    cap = n_tokens if run.budget is None else min(n_tokens, run.budget + run.buffer)
+    run.span = run.budget
+    if run.policy.per_head and run.budget is not None:  # after a round, the row spans what its fullest head may keep
+        run.span = budgets.head_cap(model.cfg.num_key_value_heads, run.budget - run.buffer) + run.buffer
+    evicts = run.budget is not None and n_tokens > run.budget + run.buffer
+    cap = run.span + run.buffer if evicts else n_tokens
     run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh
     return empty_cache(model, run, len(run.prompt_len) if batch is None else batch, cap)
 
@@ -148,7 +159,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     below = torch.tensor([run.protect_below[row] for row in rows], device=dev)  # [n]
     next_pos = torch.tensor(cache.next_pos[b : b + n], device=dev)[:, None, None]  # [n, 1, 1]
     memo = {}  # shared by this round's layers (e.g. epikv-lag scores all layers at once)
-    scores, masks = [], []
+    scores, masks, keeps = [], [], []
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
         pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, r, below, run.buffer)
@@ -158,19 +169,23 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
                        protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],
                        wo=blk.self_attn.o_proj.weight, side={k: s[layer, r, :, :S] for k, s in cache.side.items()},
                        all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generators=gens,
-                       fresh=run.budget if run.rounds[rows[0]] else 0, memo=memo)
+                       fresh=run.span if run.rounds[rows[0]] else 0, memo=memo)
         s = run.policy.score(ctx)
         if blk.self_attn.window and s.shape[1] > 1:  # a sliding layer never again sees keys that left its window:
             # they go first (not for one-set scorers such as EPIKV, whose layers must keep the same positions)
             s = s.masked_fill(pos <= next_pos - blk.self_attn.window, -float("inf"))
         scores.append(s)
         masks.append(protected)
+        keeps.append(ctx.keep)  # a per-head policy's own budgets, [n, H_kv] (budgets.py); else None
     if run.watch:  # untimed: the watcher sees what evict will rank while the scores still line up with cache.pos
         run.evict_s += time.perf_counter() - t0
         for i in range(b, b + n):
             run.watch(cache, i, "scored", [s[i - b] for s in scores])
         t0 = time.perf_counter()
-    cache.evict(r, scores, masks, run.budget)
+    if run.policy.per_head:
+        cache.evict(r, scores, masks, keeps, run.span)
+    else:
+        cache.evict(r, scores, masks, run.budget)
     if cache.k.is_cuda:
         torch.cuda.synchronize()
     for row in rows:
@@ -185,7 +200,7 @@ def evict_due(model, cache: KVCache, run: Run):
     """Evict every row that holds budget + buffer slots. Neighbouring rows due in the same step are scored together,
     one scorer call per layer for all of them: a decode step of 16 rows of the same length would otherwise pay
     the per-call overhead 16 times. A run of neighbours splits where first rounds meet later ones (`fresh`)."""
-    due = [run.budget is not None and length == run.budget + run.buffer for length in cache.length]
+    due = [run.budget is not None and length == run.due(row) for length, row in zip(cache.length, cache.rows)]
     first = [run.rounds[row] == 0 for row in cache.rows]
     b = 0
     for (is_due, _), run_of_rows in groupby(zip(due, first)):  # neighbours alike in both
@@ -204,7 +219,9 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = 
     n, done = ([T] * B if n is None else list(n)), [0] * B
     out_logits = None
     while any(d < m for d, m in zip(done, n)):
-        take = [min(m - d, cache.capacity - l) for m, d, l in zip(n, done, cache.length)]
+        # as far as the cache holds, and no further than where a row's eviction is due
+        take = [min(m - d, cache.capacity - l, m if run.budget is None else run.due(row) - l)
+                for m, d, l, row in zip(n, done, cache.length, cache.rows)]
         if any(t <= 0 < m - d for t, m, d in zip(take, n, done)):
             raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
         Tc = max(take)
@@ -547,8 +564,13 @@ def run_cli(args):
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
     K += f" {args.quant}" if args.quant else ""
     peak = peak_memory_mb(model.device)  # the whole process's, at the end: --compare's answer and the page included
+    held = f"slots {cache.length[0]} held, {run.max_slots} max"
+    if cache.holes:  # per-head budgets: a row spans its fullest head's slots, most heads hold fewer
+        per_head = (cache.pos[:, 0] != FREE).sum(-1)  # [L, H_kv]
+        held = (f"slots per head {per_head.min()}-{per_head.max()} held (mean {per_head.float().mean():.0f}), "
+                f"{cache.capacity} allocated")
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
-          f"slots {cache.length[0]} held, {run.max_slots} max | {ev} | peak {peak:.0f} MB")
+          f"{held} | {ev} | peak {peak:.0f} MB")
 
 
 if __name__ == "__main__":

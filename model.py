@@ -165,7 +165,8 @@ class Attention(nn.Module):
         q, k = rope(qk, cos, sin).split([H_q, H_kv], dim=1)  # [B, H_q, T, D], [B, H_kv, T, D]
         keys, values = cache.append(self.layer, k, v, q, chunk)  # [B, H_kv, S, D]
         window = self.window if chunk.end > self.window else 0  # the window binds once a query is W past 0
-        if chunk.start is not None and T > 1 and not window and not self.eager:
+        # per-head budgets leave free slots inside a row (cache.evict_per_head): every read masks them by position
+        if chunk.start is not None and T > 1 and not window and not self.eager and not cache.holes:
             # every row alike: the held slots are all older than the chunk, which is causal among itself, i.e. a
             # causal mask aligned to the bottom right; SDPA takes it without building it (FlashAttention on CUDA),
             # and as plain is_causal when the chunk is all there is (T = S)
@@ -173,7 +174,7 @@ class Attention(nn.Module):
                                                enable_gqa=True)
         else:
             # in a decode step of equally long rows every query reads every held slot; else mask by position
-            plain = T == 1 and chunk.start is not None and not window
+            plain = T == 1 and chunk.start is not None and not window and not cache.holes
             mask = None if plain else attention_mask(cache.pos[self.layer, :, :, : keys.shape[2]], chunk.pos, window)
             if self.eager:  # the materialised [B, H_q, T, S] matrix attention-weight methods need (bench --eager)
                 y = eager_attention(q, keys, values, mask)

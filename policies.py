@@ -7,7 +7,7 @@ from the last w queries, w x S, or from one extra q.K^T per decode step for H2O)
 Papers: EPIKV (https://arxiv.org/abs/2606.26472), VASE (https://arxiv.org/abs/2606.03928), CriticalKV
 (https://arxiv.org/abs/2502.03805), Random Attention (prompt protection + per-head random keep), and the
 baselines SnapKV (https://arxiv.org/abs/2404.14469), H2O (https://arxiv.org/abs/2306.14048), StreamingLLM
-(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133).
+(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133), AdaKV (https://arxiv.org/abs/2407.11550).
 """
 
 import math
@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import budgets
+from cache import FREE
 from kernels import dense, linear, window_attn_mass
 
 BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for protected slots
@@ -46,6 +48,8 @@ class ScoreCtx:
     generators: list  # one torch.Generator per row, seeded by (seed, row, layer, eviction round)
     fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset), every row
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
+    keep: Tensor | None = None  # set by a scorer that gives heads their own budgets: [B, H_kv] slots each keeps, buffer
+    # included (budgets.py); None = every head keeps K
 
 
 # -----------------------------------------------------------------------------
@@ -239,11 +243,43 @@ def criticalkv(ctx: ScoreCtx, base=snapkv_attention, alpha: float = 0.5, eps: fl
     int(alpha * K) - r candidates; stage 2 ranks the rest by (s + eps) * ||V_h W_O,h||_1, the size of the change
     each value makes to the layer output. A value's norm never changes, so we compute it once per slot and carry it."""
     s = base(ctx)  # [B, H_kv, S]
+    stage1 = top_candidates(s, ctx.protected, int(alpha * ctx.budget) - ctx.buffer)
+    return ((s + eps) * carried_norms(ctx)).masked_fill(stage1, BIG)
+
+
+def carried_norms(ctx: ScoreCtx) -> Tensor:
+    """value_norms of every held slot [B, H_kv, S], carried in the cache's side state: only new slots are computed."""
     norms = ctx.side["vnorm"]  # a view into the cache's side state: filled here, gathered on eviction
     # note: row by row, as a matmul over several rows' slots may round differently from one over a row's own
     norms[..., ctx.fresh :] = torch.cat([value_norms(v[None], ctx.wo) for v in ctx.values[:, :, ctx.fresh :]])
-    stage1 = top_candidates(s, ctx.protected, int(alpha * ctx.budget) - ctx.buffer)
-    return ((s + eps) * norms).masked_fill(stage1, BIG)
+    return norms
+
+
+# --- budgets that differ per head (budgets.py allocates, these score) -------------------------------------------
+
+
+def adakv(ctx: ScoreCtx, alpha: float = budgets.SAFEGUARD) -> Tensor:
+    """AdaKV (https://arxiv.org/abs/2407.11550) on SnapKV, as FFY0/AdaKV's update_kv_gqa: the layer's K - r
+    candidates per head become H_kv * (K - r) over the layer, shared by pooling the heads' votes (budgets.adakv);
+    each head keeps its own top b_h, the recent buffer on top. Holes (slots a head no longer holds) never count."""
+    s = snapkv_attention(ctx)  # [B, H_kv, S]
+    n = ctx.keys.shape[2] - ctx.buffer  # candidates; the buffer is kept on top of every head's budget
+    cand = s[..., :n].masked_fill(ctx.protected[..., :n], math.inf).masked_fill(ctx.pos[..., :n] == FREE, -math.inf)
+    ctx.keep = budgets.adakv(cand, ctx.budget - ctx.buffer, alpha) + ctx.buffer
+    return s
+
+
+def criticalkv_ada(ctx: ScoreCtx, alpha: float = budgets.SAFEGUARD, ratio: float = 0.5, eps: float = 1e-4) -> Tensor:
+    """CriticalAdaKV (https://arxiv.org/abs/2502.03805, the paper's headline), as kvpress's CriticalAdaKVPress: SnapKV
+    votes with the recent buffer (and sinks or prompt) on top, as kvpress pads the window; every head's top
+    int(alpha * K) safe; head budgets b_h from the pooled votes (budgets.safeguarded, K per head with the buffer);
+    then CriticalKV's two stages inside each head: int(ratio * b_h) by the vote, the rest of b_h by
+    (s + eps) * ||V_h W_O,h||_1."""
+    s = snapkv_attention(ctx).masked_fill(ctx.protected, BIG).masked_fill(ctx.pos == FREE, -math.inf)
+    safe, keep = budgets.safeguarded(s, ctx.budget, alpha)  # [B, H_kv, S], [B, H_kv]
+    stage1 = budgets.top_per_head(s.masked_fill(safe, math.inf), (keep * ratio).long())  # safe ones rank first
+    ctx.keep = keep
+    return ((s + eps) * carried_norms(ctx)).masked_fill(stage1 | safe, BIG)
 
 
 # --- EPIKV ---------------------------------------------------------------------
@@ -332,6 +368,7 @@ class Policy:
     window: int | str = 0  # how many recent queries the scorer reads from the ring; "buffer" = r of them
     observe: Callable | None = None  # observe(cache, out, run) after every forward, for state built while decoding
     side: tuple = ()  # per-slot side state the cache must carry
+    per_head: bool = False  # heads get their own budgets (the scorer sets ScoreCtx.keep); the cache: budgets.head_cap
 
 
 POLICIES = {
@@ -352,4 +389,7 @@ POLICIES = {
     "vase-topk": Policy(partial(vase, sample=False), window="buffer"),
     "vase-noreserve": Policy(partial(vase, reserve=0), window="buffer"),
     "vase-adversary": Policy(partial(vase, sample=False, reserve=-1, weights=snapkv_attention), window="buffer"),
+    # budgets that differ per head, evicting for real at every round (kvpress only masks at decode time)
+    "adakv": Policy(adakv, window="buffer", per_head=True),
+    "criticalkv-ada": Policy(criticalkv_ada, window="buffer", side=("vnorm",), per_head=True),
 }

@@ -20,12 +20,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cache import FREE
 from policies import BIG
 
 TEMPLATE = Path(__file__).with_name("viewer.html")
 # what a score >= BIG means, in the words of the policies that use it (policies.vase, policies.criticalkv)
 MARKS = {"vase": "VASE's reserve: the widest value ranges", "vase-topk": "VASE's reserve: the widest value ranges",
-         "criticalkv": "CriticalKV's stage 1: SnapKV's top half of the budget"}
+         "criticalkv": "CriticalKV's stage 1: SnapKV's top half of the budget",
+         "criticalkv-ada": "CriticalAdaKV's safeguard and stage 1: SnapKV's top half of each head's budget"}
 
 
 # -----------------------------------------------------------------------------
@@ -38,8 +40,9 @@ def show_kept(cache, layer: int, prompt_len: int, buffer: int, width: int = 96) 
     n = cache.next_pos[0]
     per = -(-n // width)  # positions per character, rounded up
     cols = -(-n // per)
-    pos = cache.pos[layer, 0, :, : cache.length[0]]  # [H_kv, S]
-    kept = torch.zeros(pos.shape[0], cols * per, device=pos.device).scatter_(1, pos, 1.0)
+    pos = cache.pos[layer, 0, :, : cache.length[0]].clamp(max=cols * per)  # [H_kv, S]; a free slot (per-head
+    # budgets) lands in one extra column, dropped
+    kept = torch.zeros(pos.shape[0], cols * per + 1, device=pos.device).scatter_(1, pos, 1.0)[:, :-1]
     span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
     frac = (kept.view(-1, cols, per).cpu() * span).sum(-1) / span.sum(-1)  # [H_kv, cols]
     shade = lambda f: " " if f == 0 else "█" if f == 1 else "░▒▓"[min(2, int(f * 3))]
@@ -55,7 +58,8 @@ def kept_map(cache, layer: int, run, policy: str) -> dict:
     the recent buffer lie among the positions fed so far. `eval.py plot` draws it as an image."""
     return {"kind": "kept", "policy": policy, "budget": run.budget, "buffer": run.buffer, "layer": layer,
             "prompt_len": run.prompt_len[0], "positions": cache.next_pos[0],
-            "heads": cache.pos[layer, 0, :, : cache.length[0]].tolist()}  # [H_kv][S], in temporal order
+            "heads": [[p for p in head if p != FREE] for head in cache.pos[layer, 0, :, : cache.length[0]].tolist()]}
+    # [H_kv][held], in temporal order; with per-head budgets each head holds its own number
 
 
 # -----------------------------------------------------------------------------
@@ -81,13 +85,16 @@ class Recording:
             return
         L, _, H, _ = cache.pos.shape
         at, S = cache.next_pos[b], cache.length[b]
-        pos = cache.pos[:, b, :, :S].cpu()  # [L, H_kv, S], each slot's position (all < at)
+        # [L, H_kv, S], each slot's position (< at), or FREE where a head with a smaller budget holds nothing: those
+        # land in one extra column, dropped
+        pos = cache.pos[:, b, :, :S].cpu().clamp(max=at)
         if when == "scored":  # slot i of a head scores scores[layer][h, i]; a one-set scorer's [1, S] serves all heads
             # NaN ranks as -inf in cache.evict: we record it so, and keep NaN for "no slot held this position"
             s = torch.stack([x.float().nan_to_num(nan=-math.inf).expand(H, S).cpu() for x in scores])  # [L, H_kv, S]
-            self.scores = torch.full((L, H, at), math.nan).scatter_(2, pos, s)
+            self.scores = torch.full((L, H, at + 1), math.nan).scatter_(2, pos, s)[..., :at]
         elif when == "after":
-            self.rounds.append(Round(at, self.scores, torch.zeros(L, H, at, dtype=torch.bool).scatter_(2, pos, True)))
+            kept = torch.zeros(L, H, at + 1, dtype=torch.bool).scatter_(2, pos, True)[..., :at]
+            self.rounds.append(Round(at, self.scores, kept))
 
 
 # -----------------------------------------------------------------------------
