@@ -4615,8 +4615,6 @@ def test_first_answer_shows_a_bar_when_its_text_goes_to_a_file(tiny_lab):
 
     assert re.search(r"\[snapkv\] answer: +\d+%", stderr_of(False))  # a tqdm bar, redrawn on the terminal
     assert "[snapkv] answer:" not in stderr_of(True)
-    assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
-
 
 
 # ---- issue 50: budgets that differ per head (AdaKV, CriticalAdaKV) ----
