@@ -159,8 +159,19 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def load(model_dir, device, dtype, quant: str | None = None):
-    """Model and tokenizer from a directory, or the embedded default model (fetched on first use)."""
+def bf16_matmul(device, dtype: torch.dtype, quant: str | None, rows: int) -> bool:
+    """Whether a run whose steps multiply up to `rows` rows (its batch, a replay's chunk) keeps bf16 copies of its
+    quantized matrices for its big steps (quant.bf16_copies): with --quant and bf16 activations, on a CPU with bf16
+    units, when a step reaches kernels.DENSE_ROWS. A batch-1 decode never does: it keeps the int kernels' memory."""
+    from kernels import DENSE_ROWS, bf16_units
+
+    return bool(quant) and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_units() and \
+        rows >= DENSE_ROWS
+
+
+def load(model_dir, device, dtype, quant: str | None = None, rows: int = 1):
+    """Model and tokenizer from a directory, or the embedded default model (fetched on first use). rows: the most
+    rows one of the run's steps multiplies (bf16_matmul)."""
     from weights import DEFAULT_MODEL, MODELS, SIDE, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
@@ -179,7 +190,13 @@ def load(model_dir, device, dtype, quant: str | None = None):
         raise ModelError(str(e)) from None
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
-    return load_model(model_dir, device, dtype, quant), Tokenizer(model_dir)
+    model = load_model(model_dir, device, dtype, quant)
+    if bf16_matmul(device, dtype, quant, rows):
+        from quant import bf16_copies
+
+        note(f"[quant] steps of many rows run the same int4/int8 values through bf16 copies "
+             f"({bf16_copies(model) / 1e9:.1f} GB more memory)")
+    return model, Tokenizer(model_dir)
 
 
 def minmax_int4(model: str | None) -> bool:
@@ -188,6 +205,18 @@ def minmax_int4(model: str | None) -> bool:
     from weights import SIDE
 
     return bool(model) and os.path.isdir(model) and not (Path(model) / SIDE).is_file()
+
+
+def int4_source(model: str | None) -> str | None:
+    """For a directory whose --quant int4 runs 4-bit blocks kept beside it: the fingerprint of the weights they belong
+    to (weights.source_digest), which results.model_key's few kilobytes of each file do not see. A named model needs
+    none: its manifest pins both files by sha256 on every load (weights.model_dir)."""
+    from weights import SIDE, source_digest
+
+    if not model or not os.path.isdir(model) or not (Path(model) / SIDE).is_file():
+        return None
+    fp32 = Path(model) / "model.safetensors"
+    return source_digest(fp32) if fp32.is_file() else None
 
 
 def plain_text(model: str | None) -> bool:

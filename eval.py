@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, made_on, minmax_int4, output_failed,
-                 plain_text, policy_names, resolve_device)
+from cli import (Parser, UsageError, add_device_args, bf16_matmul, int4_source, int_list, load, made_on,
+                 minmax_int4, output_failed, plain_text, policy_names, resolve_device)
 from generate import generate, make_run
+from kernels import DENSE_ROWS
 from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
@@ -57,9 +58,15 @@ def answer_of(tok, ids: list[int], answer: str) -> tuple[str, str, str | None]:
 # shared state of a sweep: the model, its traces and the full cache's logits, built once on first use
 
 
+def step_rows(args) -> int:
+    """The most rows a step of this sweep multiplies, which picks its matmul kernel (cli.bf16_matmul): the batch for
+    free generation; a replay feeds chunks of --buffer tokens (and its first chunk holds the budget)."""
+    return args.batch_size if args.cmd == "accuracy" else max(args.batch_size, args.buffer)
+
+
 def model_of(args, lab: dict):
     if "model" not in lab:
-        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant)
+        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant, step_rows(args))
     return lab["model"], lab["tok"]
 
 
@@ -241,6 +248,12 @@ def model_settings(args) -> dict:
     plain = {"template": "none"} if plain_text(args.model) else {}
     quant = {"quant": args.quant} if args.quant else {}
     quant |= {"int4": "minmax"} if args.quant == "int4" and minmax_int4(args.model) else {}  # not a GGUF's own blocks
+    # a directory's 4-bit blocks are checked against its weights on load (model.Checkpoint.check_side); the rows are
+    # keyed by those weights' fingerprint too. A named model's rows keep their keys: its manifest pins both files
+    source = int4_source(args.model) if args.quant == "int4" else None
+    quant |= {"int4_source": source} if source else {}
+    # steps of many rows through bf16 copies of the int values: other numbers than the int kernels' (RESULTS.md)
+    quant |= {"bf16_rows": DENSE_ROWS} if bf16_matmul(device, dtype, args.quant, step_rows(args)) else {}
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
             "batch_size": args.batch_size, **plain, **quant}
 
