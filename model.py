@@ -396,7 +396,19 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
     return model.eval()
 
 
-STORED = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16}
+STORED = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+
+
+def header(file: Path) -> tuple[dict, dict]:
+    """A safetensors file's tensor entries by name (dtype, shape, data_offsets, and where they sit: file, start) and
+    its metadata, from its header (checked by opened() before)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    meta = head.pop("__metadata__", None) or {}
+    return {name: dict(e, file=file, start=8 + n) for name, e in head.items()}, meta
+
+
 READ_BYTES = 2**24  # how much of a tensor is read at a time
 
 
@@ -409,19 +421,18 @@ class Checkpoint:
 
     def __init__(self, path: Path, shapes: dict):
         self.path, self.shapes, self.side = path, shapes, path / SIDE  # shapes: name -> (file name, shape)
-        self.types, self.kept, self.entries = {}, set(), {}  # entries: name -> its header entry (dtype, offsets)
+        self.types, self.kept, self.entries = {}, set(), {}  # entries: name -> its header entry (dtype, shape, offsets)
         for file in sorted({f for f, _ in shapes.values()}):
-            with open(path / file, "rb") as f:  # opened() has checked the header: it parses
-                n = int.from_bytes(f.read(8), "little")
-                head = json.loads(f.read(n))
-            head.pop("__metadata__", None)
-            self.entries |= {name: dict(e, file=file, start=8 + n) for name, e in head.items() if name in shapes}
+            self.entries |= {name: e for name, e in header(path / file)[0].items() if name in shapes}
         self.source = None  # the fingerprint of the weights the side file was made beside (weights.source_digest)
         if self.side.is_file():
-            with opened(self.side) as f:
-                self.types = json.loads((f.metadata() or {}).get("gguf_types", "{}"))
-                self.source = (f.metadata() or {}).get("source")
-                self.kept = {k.rsplit(".", 1)[0] for k in f.keys()}
+            with opened(self.side):  # a damaged side file is one line
+                pass
+            parts, meta = header(self.side)
+            self.entries |= parts  # "<name>.q", "<name>.scale", "<name>.offset"
+            self.types = json.loads(meta.get("gguf_types", "{}"))
+            self.source = meta.get("source")
+            self.kept = {k.rsplit(".", 1)[0] for k in parts}
 
     def check_side(self):
         """Refuse 4-bit blocks made beside other weights than this directory's model.safetensors (replaced or edited
@@ -444,14 +455,13 @@ class Checkpoint:
         if name not in self.entries:
             return False
         n, inp = self.shape(name)
-        with opened(self.side) as f:
-            if f.get_slice(f"{name}.q").get_shape() != [n, inp // 2]:
+        if self.entries[f"{name}.q"]["shape"] != [n, inp // 2]:
+            return False
+        for r in sorted({round(i * (n - 1) / 7) for i in range(8)}):
+            q, scale, offset = (self.rows(f"{name}.{part}", r, r + 1) for part in ("q", "scale", "offset"))
+            made = unpack_nibbles(q).float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+            if not torch.allclose(made, self.rows(name, r, r + 1).float(), rtol=1e-6, atol=1e-7):
                 return False
-            for r in sorted({round(i * (n - 1) / 7) for i in range(8)}):
-                q, scale, offset = (f.get_slice(f"{name}.{part}")[r : r + 1] for part in ("q", "scale", "offset"))
-                made = unpack_nibbles(q).float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
-                if not torch.allclose(made, self.rows(name, r, r + 1).float(), rtol=1e-6, atol=1e-7):
-                    return False
         return True
 
     def shape(self, name: str) -> tuple:
@@ -459,12 +469,12 @@ class Checkpoint:
 
     def rows(self, name: str, a: int, b: int) -> Tensor:
         """Rows a .. b - 1 of a stored tensor (its whole self for a 1-D one), in its stored dtype: one read."""
-        e, shape = self.entries[name], self.shape(name)
-        vector = len(shape) == 1
+        e = self.entries[name]
+        shape, vector = e["shape"], len(e["shape"]) == 1
         a, b, shape = (0, 1, (1, *shape)) if vector else (a, b, shape)  # a vector is read as one row
         dtype = STORED[e["dtype"]]
         row = math.prod(shape[1:]) * dtype.itemsize  # bytes per row
-        with open(self.path / e["file"], "rb") as f:
+        with open(e["file"], "rb") as f:
             data = bytearray(os.pread(f.fileno(), (b - a) * row, e["start"] + e["data_offsets"][0] + a * row))
         t = torch.frombuffer(data, dtype=dtype).view(b - a, *shape[1:])
         return t[0] if vector else t
@@ -481,10 +491,9 @@ class Checkpoint:
             yield slice(a, b), self.rows(name, a, b)
 
     def read(self, name: str) -> Tensor:
-        return self.rows(name, 0, self.shape(name)[0])
+        return self.rows(name, 0, self.entries[name]["shape"][0])
 
     def blocks(self, name: str) -> dict | None:
         if name not in self.kept:
             return None
-        with opened(self.side) as f:
-            return {part: f.get_tensor(f"{name}.{part}") for part in ("q", "scale", "offset")}
+        return {part: self.read(f"{name}.{part}") for part in ("q", "scale", "offset")}
