@@ -1,9 +1,9 @@
 """
 What the bf16 copies of int4 weights change (issue 53): on the 1.5B with --quant int4, side by side in one process,
 the int kernels everywhere against the rule of kernels.linear (steps of DENSE_ROWS rows or more through the bf16
-copies). Prints, for each: the full-cache logits of a few GSM8K prompts (max error, KL), greedy answers of --n GSM8K
-problems decoded --batch-size at a time (the same tokens? the same grade?), and one long fidelity trace's replay
-(its first --trace-tokens) through the full cache and through snapkv at K = 512, r = 64 (seconds, profile, KL).
+copies). Prints, for each: the full-cache logits of a few GSM8K prompts (max error, KL), one long fidelity trace's
+replay (its first --trace-tokens) through the full cache and through snapkv at K = 512, r = 64 (seconds, profile, KL),
+and greedy answers of --n GSM8K problems decoded --batch-size at a time (the same tokens? the same grade?).
 
     OMP_NUM_THREADS=2 python tools/bf16_check.py --n 20 --batch-size 20 --trace-tokens 2048
 """
@@ -72,30 +72,7 @@ def main():
             print(f"logits, {len(ids)} tokens: max |int4 - bf16| {(a - b).abs().max():.4f} (max |logit| "
                   f"{a.abs().max():.1f}), KL mean {kl.mean():.2e} max {kl.max():.2e}, top-1 agree "
                   f"{(a.argmax(-1) == b.argmax(-1)).float().mean():.3f}", flush=True)
-        # 2. greedy answers, batch by batch, in both modes
-        if args.n:
-            outs, secs = {}, {}
-            for on in (False, True):
-                use_copies(model, on)
-                t0, outs[on] = time.perf_counter(), []
-                for i in range(0, args.n, args.batch_size):
-                    batch = rows[i : min(i + args.batch_size, args.n)]
-                    prompts = [ask(tok, r["question"]) for r in batch]
-                    run = make_run("full", None, 64, None, [len(p) for p in prompts])
-                    outs[on] += generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
-                secs[on] = time.perf_counter() - t0
-            same = sum(a == b for a, b in zip(outs[False], outs[True]))
-            grade = {on: [is_correct(answer_of(tok, ids, r["answer"])[2], r["answer"]) for ids, r in
-                          zip(outs[on], rows)] for on in outs}
-            first = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                     for a, b in zip(outs[False], outs[True]) if a != b]
-            print(f"greedy, {args.n} GSM8K problems at batch {args.batch_size}: {same}/{args.n} identical token "
-                  f"sequences (the others part at tokens {first}); correct int4 {sum(grade[False])} bf16 "
-                  f"{sum(grade[True])}, graded alike {sum(x == y for x, y in zip(grade[False], grade[True]))}; "
-                  f"decode s int4 {secs[False]:.0f} bf16 {secs[True]:.0f} ({secs[False] / secs[True]:.2f}x)",
-                  flush=True)
-            print("tokens", json.dumps({"int4": [len(o) for o in outs[False]], "bf16": [len(o) for o in outs[True]]}))
-        # 3. one long trace: the full cache's replay and snapkv's, in both modes
+        # 2. one long trace: the full cache's replay and snapkv's, in both modes
         if args.trace_tokens:
             tr = json.load(open("results/study/longfid_q15.json.traces.json"))["traces"][0]
             ids, start = tr["ids"][: args.trace_tokens], tr["prompt_len"]
@@ -124,6 +101,29 @@ def main():
                 c = compare(res[False][k], res[True][k], nxt)
                 print(f"{which} replay, int kernels against the bf16 rule: KL/token {c['kl'] / len(nxt):.2e}, "
                       f"top-1 {c['top1'] / len(nxt):.4f}", flush=True)
+        # 3. greedy answers, batch by batch, in both modes
+        if args.n:
+            outs, secs = {}, {}
+            for on in (False, True):
+                use_copies(model, on)
+                t0, outs[on] = time.perf_counter(), []
+                for i in range(0, args.n, args.batch_size):
+                    batch = rows[i : min(i + args.batch_size, args.n)]
+                    prompts = [ask(tok, r["question"]) for r in batch]
+                    run = make_run("full", None, 64, None, [len(p) for p in prompts])
+                    outs[on] += generate(model, prompts, run, args.max_new_tokens, eos_ids=tok.eos_ids)[0]
+                secs[on] = time.perf_counter() - t0
+            same = sum(a == b for a, b in zip(outs[False], outs[True]))
+            grade = {on: [is_correct(answer_of(tok, ids, r["answer"])[2], r["answer"]) for ids, r in
+                          zip(outs[on], rows)] for on in outs}
+            first = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                     for a, b in zip(outs[False], outs[True]) if a != b]
+            print(f"greedy, {args.n} GSM8K problems at batch {args.batch_size}: {same}/{args.n} identical token "
+                  f"sequences (the others part at tokens {first}); correct int4 {sum(grade[False])} bf16 "
+                  f"{sum(grade[True])}, graded alike {sum(x == y for x, y in zip(grade[False], grade[True]))}; "
+                  f"decode s int4 {secs[False]:.0f} bf16 {secs[True]:.0f} ({secs[False] / secs[True]:.2f}x)",
+                  flush=True)
+            print("tokens", json.dumps({"int4": [len(o) for o in outs[False]], "bf16": [len(o) for o in outs[True]]}))
     print(f"peak {cli.peak_memory_mb('cpu'):.0f} MB")
 
 
