@@ -79,8 +79,11 @@ def traces(args, lab: dict) -> list[dict]:
     if "traces" in lab:
         return lab["traces"]
     long = getattr(args, "long", None)
+    # note: not bf16_rows: a trace is the text the policies are teacher-forced through, and one the int kernels wrote
+    # serves as well (the study's 12 long traces took hours); its replays and their rows do carry it
+    settings = {k: v for k, v in model_settings(args).items() if k != "bf16_rows"}
     key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
-           "max_new_tokens": args.max_new_tokens, **model_settings(args), **({"long": long} if long else {})}
+           "max_new_tokens": args.max_new_tokens, **settings, **({"long": long} if long else {})}
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
