@@ -8,6 +8,8 @@ template. RoPE types: default, linear, llama3, yarn; sliding-window layers (Mist
 Left out: training, dropout, dynamic-NTK RoPE (refused), MoE. References: Llama (https://arxiv.org/abs/2302.13971),
 the HF `modeling_llama.py` key names and `modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071),
 gpt-fast and nano-vllm.
+Laid out in three parts: RoPE; the modules and the forward; loading (every check on the safetensors headers first, then
+each tensor read a block of rows at a time through Checkpoint, which quant.py reads from too).
 """
 
 import json
