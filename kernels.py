@@ -48,7 +48,7 @@ def _jit(fn):
 #   Those kernels do not use a CPU's bf16 matrix units (AMX, AVX512-BF16) and their time grows with the rows: they win
 #   while a step reads its weights (decode), and lose once it computes (many rows). So where the CPU has bf16 units
 #   and a run asked for it (quant.bf16_copies), the weight also keeps its own values dequantized once into bf16, and a
-#   step of DENSE_ROWS rows or more multiplies by that copy (RESULTS.md, "int4's weights at bf16 speed").
+#   step of DENSE_ROWS rows or more multiplies by that copy (RESULTS.md, "int4 at bf16 speed, replays, memory").
 # - a tuple of weights: row blocks of one fused matrix that could not share a kind (e.g. q and k stored as 4-bit
 #   blocks, v as 6-bit ones): their outputs are concatenated.
 
