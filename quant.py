@@ -83,9 +83,12 @@ def int4_codes(ckpt, name: str) -> tuple[Tensor, Tensor, Tensor]:
 def int8_values(ckpt, name: str, dtype: torch.dtype) -> QuantWeight:
     """int8_rows of a matrix, a block of rows at a time: each row has its own scale, so this is the same numbers as
     quantizing it whole, without its full-precision copy (the 1.5B's LM head: 0.9 GB in fp32)."""
-    made = [int8_rows(w, dtype) for _, w in ckpt.blocks_of_rows(name)]
-    return QuantWeight("int8", torch.cat([m.data for m in made]), torch.cat([m.scales for m in made]),
-                       ckpt.shape(name))
+    out, inp = ckpt.shape(name)
+    q, s = torch.empty(out, inp, dtype=torch.int8), torch.empty(out, dtype=dtype)  # filled in place: no second copy
+    for rows, w in ckpt.blocks_of_rows(name):
+        part = int8_rows(w, dtype)
+        q[rows], s[rows] = part.data, part.scales
+    return QuantWeight("int8", q, s, (out, inp))
 
 
 def quantize(model, quant: str, ckpt):
@@ -103,9 +106,9 @@ def quantize(model, quant: str, ckpt):
                 runs[-1][1].append(item)
             else:
                 runs.append([kind, [item]])
-        made = [int4_groups(*map(torch.cat, zip(*items)), dtype) if kind == "int4" else
-                QuantWeight("int8", torch.cat([m.data for m in items]), torch.cat([m.scales for m in items]),
-                            (sum(m.shape[0] for m in items), items[0].shape[1])) for kind, items in runs]
+        made = [int4_groups(*map(torch.cat, zip(*items)), dtype) if kind == "int4" else items[0] if len(items) == 1
+                else QuantWeight("int8", torch.cat([m.data for m in items]), torch.cat([m.scales for m in items]),
+                                 (sum(m.shape[0] for m in items), items[0].shape[1])) for kind, items in runs]
         owner._parameters.pop(attr, None)  # a Linear's weight was a Parameter: a plain attribute from now on
         setattr(owner, attr, made[0] if len(made) == 1 else tuple(made))
 
