@@ -174,9 +174,20 @@ def local_model(model: str | None) -> str | None:
     return str(hub_model_dir(model))
 
 
-def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | None = None):
+def bf16_matmul(device, dtype: torch.dtype, quant: str | None, rows: int) -> bool:
+    """Whether a run whose steps multiply up to `rows` rows (its batch, a replay's chunk) keeps bf16 copies of its
+    quantized matrices for its big steps (quant.bf16_copies): with --quant and bf16 activations, on a CPU with bf16
+    units, when a step reaches kernels.DENSE_ROWS. A batch-1 decode never does: it keeps the int kernels' memory."""
+    from kernels import DENSE_ROWS, bf16_units
+
+    return bool(quant) and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_units() and \
+        rows >= DENSE_ROWS
+
+
+def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | None = None, rows: int = 1):
     """Model and tokenizer from a directory, a Hub id, or a model weights.py fetches (the embedded default model when
-    model_dir is None). thinking: the chat template's thinking switch (None: the template's default)."""
+    model_dir is None). thinking: the chat template's thinking switch (None: the template's default); rows: the most
+    rows one of the run's steps multiplies (bf16_matmul)."""
     from weights import DEFAULT_MODEL, MODELS, SIDE, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
@@ -198,7 +209,13 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
     tok = Tokenizer(model_dir, thinking)  # first: a --thinking the template cannot take stops before the weights load
-    return load_model(model_dir, device, dtype, quant), tok
+    model = load_model(model_dir, device, dtype, quant)
+    if bf16_matmul(device, dtype, quant, rows):
+        from quant import bf16_copies
+
+        note(f"[quant] steps of many rows run the same int4/int8 values through bf16 copies "
+             f"({bf16_copies(model) / 1e9:.1f} GB more memory)")
+    return model, tok
 
 
 def minmax_int4(model: str | None) -> bool:
@@ -207,6 +224,18 @@ def minmax_int4(model: str | None) -> bool:
     from weights import SIDE
 
     return bool(model) and os.path.isdir(model) and not (Path(model) / SIDE).is_file()
+
+
+def int4_source(model: str | None) -> str | None:
+    """For a directory whose --quant int4 runs 4-bit blocks kept beside it: the fingerprint of the weights they belong
+    to (weights.source_digest), which results.model_key's few kilobytes of each file do not see. A named model needs
+    none: its manifest pins both files by sha256 on every load (weights.model_dir)."""
+    from weights import SIDE, source_digest
+
+    if not model or not os.path.isdir(model) or not (Path(model) / SIDE).is_file():
+        return None
+    fp32 = Path(model) / "model.safetensors"
+    return source_digest(fp32) if fp32.is_file() else None
 
 
 def plain_text(model: str | None) -> bool:

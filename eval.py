@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, int_list, load, local_model, made_on, minmax_int4, note,
-                 output_failed, plain_text, policy_names, resolve_device)
+from cli import (Parser, UsageError, add_device_args, bf16_matmul, int4_source, int_list, load, local_model,
+                 made_on, minmax_int4, note, output_failed, plain_text, policy_names, resolve_device)
 from cache import FREE
 from generate import generate, generate_refill, make_run
+from kernels import DENSE_ROWS
 from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
@@ -60,9 +61,15 @@ def answer_of(tok, ids: list[int], answer: str, prompt: list[int] = ()) -> tuple
 # shared state of a sweep: the model, its traces and the full cache's logits, built once on first use
 
 
+def step_rows(args) -> int:
+    """The most rows a step of this sweep multiplies, which picks its matmul kernel (cli.bf16_matmul): the batch for
+    free generation; a replay feeds chunks of --buffer tokens (and its first chunk holds the budget)."""
+    return args.batch_size if args.cmd == "accuracy" else max(args.batch_size, args.buffer)
+
+
 def model_of(args, lab: dict):
     if "model" not in lab:
-        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant, args.thinking)
+        lab["model"], lab["tok"] = load(args.model, args.device, args.dtype, args.quant, args.thinking, step_rows(args))
     return lab["model"], lab["tok"]
 
 
@@ -75,8 +82,11 @@ def traces(args, lab: dict) -> list[dict]:
     if "traces" in lab:
         return lab["traces"]
     long = getattr(args, "long", None)
+    # note: not bf16_rows: a trace is the text the policies are teacher-forced through, and one the int kernels wrote
+    # serves as well (the study's 12 long traces took hours); its replays and their rows do carry it
+    settings = {k: v for k, v in model_settings(args).items() if k != "bf16_rows"}
     key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
-           "max_new_tokens": args.max_new_tokens, **model_settings(args), **({"long": long} if long else {})}
+           "max_new_tokens": args.max_new_tokens, **settings, **({"long": long} if long else {})}
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json(path, dict) if path and path.exists() else {}
     if saved.get("key") != key:
@@ -271,6 +281,12 @@ def model_settings(args) -> dict:
     quant = {"quant": args.quant} if args.quant else {}
     quant |= {"int4": "minmax"} if args.quant == "int4" and minmax_int4(args.model) else {}  # not a GGUF's own blocks
     thinking = {"thinking": args.thinking} if args.thinking is not None else {}  # only where given, as --quant
+    # a directory's 4-bit blocks are checked against its weights on load (model.Checkpoint.check_side); the rows are
+    # keyed by those weights' fingerprint too. A named model's rows keep their keys: its manifest pins both files
+    source = int4_source(args.model) if args.quant == "int4" else None
+    quant |= {"int4_source": source} if source else {}
+    # steps of many rows through bf16 copies of the int values: other numbers than the int kernels' (RESULTS.md)
+    quant |= {"bf16_rows": DENSE_ROWS} if bf16_matmul(device, dtype, args.quant, step_rows(args)) else {}
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
             "batch_size": args.batch_size, **plain, **quant, **thinking}
 

@@ -11,6 +11,8 @@ SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
 
 from __future__ import annotations  # lets the kernels' tl.constexpr annotations parse without triton
 
+import functools
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +45,29 @@ def _jit(fn):
 # - bf16 (or fp32 with torch's threads): F.linear on a contiguous [out, in] weight, oneDNN's layout, 1.2-1.7x faster
 #   than the transposed view (RESULTS.md, "Decode the weights as they ship").
 # - QuantWeight: weight-only int8 or int4, torch's CPU kernels; the activations keep their dtype (quant.py makes them).
+#   Those kernels do not use a CPU's bf16 matrix units (AMX, AVX512-BF16) and their time grows with the rows: they win
+#   while a step reads its weights (decode), and lose once it computes (many rows). So where the CPU has bf16 units
+#   and a run asked for it (quant.bf16_copies), the weight also keeps its own values dequantized once into bf16, and a
+#   step of DENSE_ROWS rows or more multiplies by that copy (RESULTS.md, "int4 at bf16 speed, replays, memory").
 # - a tuple of weights: row blocks of one fused matrix that could not share a kind (e.g. q and k stored as 4-bit
 #   blocks, v as 6-bit ones): their outputs are concatenated.
 
 GROUP = 32  # int4 group size: a GGUF 4-bit block's 32 values share one scale and one offset
+# rows per step from which a bf16 copy beats torch's int4 kernel on an AMD EPYC with AVX512-BF16 and no AMX (2
+# threads, tools/crossover.py): 0.74x of its speed at 8 rows, 1.1x at 16, 1.9x at 64. Not measured on AMX, whose
+# crossover should be lower; 16 is the safe side there.
+DENSE_ROWS = 16
+
+
+@functools.cache
+def bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16, from /proc/cpuinfo; elsewhere no): without
+    them torch emulates bf16 and a dense copy is never faster."""
+    with suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return bool({"amx_bf16", "avx512_bf16"} & set(line.split()))
+    return False
 
 
 @dataclass
@@ -59,7 +80,8 @@ class QuantWeight:
     data: Tensor  # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8
     scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero)
     shape: tuple  # (out, in), as the HF weight
-    dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, made on first use
+    dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, [out, in], made on first use
+    dense_rows: int = 0  # > 0: a step of this many rows or more multiplies by dense_cache (quant.bf16_copies)
 
     @property
     def nbytes(self) -> int:  # what a matmul reads
@@ -78,7 +100,10 @@ def linear(x: Tensor, w) -> Tensor:
     if isinstance(w, tuple):  # row blocks of different kinds
         return torch.cat([linear(x, part) for part in w], -1)
     if isinstance(w, QuantWeight):  # the kernels take one 2-D contiguous matrix of rows
-        return w.matmul(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], w.shape[0])
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        if w.dense_rows and rows.shape[0] >= w.dense_rows:  # compute-bound: the same values through bf16 units
+            return F.linear(x, w.dense_cache)
+        return w.matmul(rows.contiguous()).view(*x.shape[:-1], w.shape[0])
     if x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and torch.get_num_threads() == 1:
         if w.dim() > 2:  # one BLAS call per matrix of the stack
             return torch.from_numpy(x.numpy() @ w.numpy().swapaxes(-1, -2))
@@ -99,11 +124,12 @@ def dense(w) -> Tensor:
         return torch.cat([dense(part) for part in w])
     if not isinstance(w, QuantWeight):
         return w
-    if w.kind == "int8":
+    if w.dense_cache is not None:
+        return w.dense_cache
+    if w.kind == "int8":  # cheap to redo: not kept (but by quant.bf16_copies)
         return (w.data.float() * w.scales.float()[:, None]).to(w.scales.dtype)
-    if w.dense_cache is None:
-        eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
-        w.dense_cache = w.matmul(eye).T  # [out, in]
+    eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
+    w.dense_cache = w.matmul(eye).T.contiguous()  # [out, in], the layout F.linear reads fastest
     return w.dense_cache
 
 

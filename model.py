@@ -8,10 +8,13 @@ template. RoPE types: default, linear, llama3, yarn; sliding-window layers (Mist
 Left out: training, dropout, dynamic-NTK RoPE (refused), MoE. References: Llama (https://arxiv.org/abs/2302.13971),
 the HF `modeling_llama.py` key names and `modeling_rope_utils.py` formulas, YaRN (https://arxiv.org/abs/2309.00071),
 gpt-fast and nano-vllm.
+Laid out in three parts: RoPE; the modules and the forward; loading (every check on the safetensors headers first, then
+each tensor read a block of rows at a time through Checkpoint, which quant.py reads from too).
 """
 
 import json
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +27,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
-from quant import quantize
-from weights import SIDE
+from quant import quantize, unpack_nibbles
+from weights import SIDE, source_digest
 
 # -----------------------------------------------------------------------------
 # RoPE
@@ -383,32 +386,88 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
     if missing:
         raise ModelError(f"tensor {missing[0]} missing from the checkpoint in {path} ({len(missing)} missing in all): "
                          "the weights do not match config.json")
+    ckpt = Checkpoint(path, shapes)
+    if quant == "int4":
+        ckpt.check_side()  # before the model takes memory
     model = Transformer(cfg, device, dtype, quant)
-    params = dict(model.named_parameters())
-    for file in files:
-        with opened(file) as f:
-            for name in f.keys():
-                if name in params and not params[name].is_meta:  # a matrix to quantize is a placeholder
-                    params[name].copy_(f.get_tensor(name))
+    for name, p in model.named_parameters():
+        if name in shapes and not p.is_meta:  # a matrix to quantize is a placeholder
+            for rows, block in ckpt.blocks_of_rows(name):  # a few MB at a time: no second copy of the embedding
+                p[rows].copy_(block)
     if quant:
-        quantize(model, quant, Checkpoint(path, shapes))
+        quantize(model, quant, ckpt)
     return model.eval()
 
 
+STORED = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+
+
+def header(file: Path) -> tuple[dict, dict]:
+    """A safetensors file's tensor entries by name (dtype, shape, data_offsets, and where they sit: file, start) and
+    its metadata, from its header (checked by opened() before)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    meta = head.pop("__metadata__", None) or {}
+    return {name: dict(e, file=file, start=8 + n) for name, e in head.items()}, meta
+
+
+READ_BYTES = 2**24  # how much of a tensor is read at a time
+
+
 class Checkpoint:
-    """A checkpoint's tensors by HF name, read one at a time, for quant.py; and what weights.py kept beside a model it
-    converted from a GGUF (quant.SIDE): the 4-bit matrices' codes, scales and offsets, and every tensor's GGUF type."""
+    """A checkpoint's tensors by HF name, read a block of rows at a time, for loading and quant.py; and what weights.py
+    kept beside a model it converted from a GGUF (quant.SIDE): the 4-bit matrices' codes, scales and offsets, and every
+    tensor's GGUF type. note: we read with plain file reads at the header's offsets, not through safetensors' memory
+    map: the pages of a mapped file count in the process's resident memory while it is open, so loading the 1.5B
+    through it peaked at 5.4 GB for 1.8 GB of model (RESULTS.md, "Memory of a plain int4 run")."""
 
     def __init__(self, path: Path, shapes: dict):
         self.path, self.shapes, self.side = path, shapes, path / SIDE  # shapes: name -> (file name, shape)
-        self.types, self.kept = {}, set()
+        self.types, self.kept, self.entries = {}, set(), {}  # entries: name -> its header entry (dtype, shape, offsets)
+        for file in sorted({f for f, _ in shapes.values()}):
+            self.entries |= {name: e for name, e in header(path / file)[0].items() if name in shapes}
+        self.source = None  # the fingerprint of the weights the side file was made beside (weights.source_digest)
         if self.side.is_file():
-            with opened(self.side) as f:
-                self.types = self.check_side((f.metadata() or {}).get("gguf_types", "{}"),
-                                             {k: f.get_slice(k).get_shape() for k in f.keys()})
-                self.kept = {k.rsplit(".", 1)[0] for k in f.keys()}
+            with opened(self.side):  # a damaged side file is one line
+                pass
+            parts, meta = header(self.side)
+            self.entries |= parts  # "<name>.q", "<name>.scale", "<name>.offset"
+            self.types = self.side_types(meta.get("gguf_types", "{}"), {k: e["shape"] for k, e in parts.items()})
+            self.source = meta.get("source")
+            self.kept = {k.rsplit(".", 1)[0] for k in parts}
 
-    def check_side(self, types: str, got: dict) -> dict:
+    def check_side(self):
+        """Refuse 4-bit blocks made beside other weights than this directory's model.safetensors (replaced or edited
+        since): --quant int4 would run the old model's numbers, silently. The side file records its source's
+        fingerprint; one made before that field is checked by its content instead: 8 rows of each kept matrix,
+        q * scale + offset, must be the fp32 file's values (weights.convert writes them so, bit for bit)."""
+        fp32 = self.path / "model.safetensors"
+        if not self.kept:
+            return
+        if self.source is not None:
+            ok = fp32.is_file() and source_digest(fp32) == self.source
+        else:
+            ok = all(self.kept_rows_match(name) for name in self.kept)
+        if not ok:
+            raise ModelError(f"{self.side} was not made from the weights in {fp32} (they were replaced or edited "
+                             f"since): delete {self.side.name} to quantize these weights anew by min and max, or "
+                             "convert the model again (python weights.py --force for a named one)")
+
+    def kept_rows_match(self, name: str) -> bool:
+        if name not in self.entries:
+            return False
+        n, inp = self.shape(name)
+        if self.entries[f"{name}.q"]["shape"] != [n, inp // 2]:
+            return False
+        for r in sorted({round(i * (n - 1) / 7) for i in range(8)}):
+            q, scale, offset = (self.rows(f"{name}.{part}", r, r + 1) for part in ("q", "scale", "offset"))
+            made = unpack_nibbles(q).float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+            if not torch.allclose(made, self.rows(name, r, r + 1).float(), rtol=1e-6, atol=1e-7):
+                return False
+        return True
+
+    def side_types(self, types: str, got: dict) -> dict:
         """The side file's GGUF types (name -> type), after checking that it is this model's: its types a JSON object of
         this model's tensors, and per kept matrix [out, in] its codes [out, in / 2], scales and offsets [out, in / 32].
         One line naming the file where not (another model's, or damaged), never a traceback in quant.py."""
@@ -436,12 +495,33 @@ class Checkpoint:
     def shape(self, name: str) -> tuple:
         return tuple(self.shapes[name][1])
 
+    def rows(self, name: str, a: int, b: int) -> Tensor:
+        """Rows a .. b - 1 of a stored tensor (its whole self for a 1-D one), in its stored dtype: one read."""
+        e = self.entries[name]
+        shape, vector = e["shape"], len(e["shape"]) == 1
+        a, b, shape = (0, 1, (1, *shape)) if vector else (a, b, shape)  # a vector is read as one row
+        dtype = STORED[e["dtype"]]
+        row = math.prod(shape[1:]) * dtype.itemsize  # bytes per row
+        with open(e["file"], "rb") as f:
+            data = bytearray(os.pread(f.fileno(), (b - a) * row, e["start"] + e["data_offsets"][0] + a * row))
+        t = torch.frombuffer(data, dtype=dtype).view(b - a, *shape[1:])
+        return t[0] if vector else t
+
+    def blocks_of_rows(self, name: str):
+        """(slice, rows) over a tensor, READ_BYTES at a time: what its loading holds beside the model."""
+        shape = self.shape(name)
+        if len(shape) < 2:
+            yield slice(None), self.rows(name, 0, 1)
+            return
+        step = max(1, READ_BYTES // (math.prod(shape[1:]) * STORED[self.entries[name]["dtype"]].itemsize))
+        for a in range(0, shape[0], step):
+            b = min(a + step, shape[0])
+            yield slice(a, b), self.rows(name, a, b)
+
     def read(self, name: str) -> Tensor:
-        with opened(self.path / self.shapes[name][0]) as f:
-            return f.get_tensor(name)
+        return self.rows(name, 0, self.entries[name]["shape"][0])
 
     def blocks(self, name: str) -> dict | None:
         if name not in self.kept:
             return None
-        with opened(self.side) as f:
-            return {part: f.get_tensor(f"{name}.{part}") for part in ("q", "scale", "offset")}
+        return {part: self.read(f"{name}.{part}") for part in ("q", "scale", "offset")}

@@ -4876,3 +4876,101 @@ def test_viewer_shows_each_heads_own_budget(tiny_lab, tmp_path):
     held = [sum(c not in ("x", "f") for c in dom.rows[(0, h)]) for h in range(len(labels))]
     assert len(labels) == len(dom.rows) >= 2 and labels == held and len(set(labels)) > 1
     assert "its own budget where heads differ" in dom.text["legend"]
+    assert "mixes rows of model m and other" in one_line_exit(tool.main, ["--study", str(tmp_path)], capsys)
+
+
+# ---- issue 53: int4's weights at bf16 speed, int4 loading memory, the side file tied to its weights ----
+
+
+def test_bf16_copies_run_the_int4_values_for_steps_of_many_rows(tmp_path):
+    """quant.bf16_copies keeps each quantized matrix's own values (the kernel's matrix, rounded once to bf16): a step
+    of kernels.DENSE_ROWS rows or more multiplies by that copy exactly, a smaller step still runs the int kernel bit
+    for bit, and the two agree to bf16 rounding."""
+    model = load_model(tiny_dir(str(tmp_path / "m"), intermediate_size=128, hidden_size=64), "cpu", torch.bfloat16,
+                       "int4")
+    ws = [getattr(o, a) for o, a, _ in model.matrices()]
+    assert {w.kind for w in ws} == {"int4", "int8"}  # the LM head's 101 rows are no int4 shape: int8
+    xs = [torch.randn(kernels.DENSE_ROWS, w.shape[1]).bfloat16() for w in ws]
+    before = [(kernels.linear(x, w), kernels.linear(x[:3], w)) for x, w in zip(xs, ws)]
+    kernel = [kernels.dense(w).clone() for w in ws]
+    assert quant.bf16_copies(model) == sum(w.shape[0] * w.shape[1] * 2 for w in ws)
+    for x, w, k, (big, small) in zip(xs, ws, kernel, before):
+        assert torch.equal(w.dense_cache, k) and w.dense_cache.is_contiguous() and w.dense_rows == kernels.DENSE_ROWS
+        assert torch.equal(kernels.linear(x[:3], w), small)  # fewer rows: the int4 kernel, as before
+        assert torch.equal(kernels.linear(x, w), F.linear(x, k))  # many rows: the copy
+        torch.testing.assert_close(kernels.linear(x, w).float(), big.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_matmul_is_chosen_by_the_cpu_and_the_rows(monkeypatch):
+    """The bf16 copies are made only with --quant, bf16 activations on the CPU, a step of DENSE_ROWS rows or more,
+    and a CPU whose flags name bf16 units (AMX or AVX512-BF16): never assumed."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert kernels.bf16_units() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    monkeypatch.setattr(kernels, "bf16_units", lambda: True)
+    ok = lambda *a: cli.bf16_matmul(*a)
+    assert ok("cpu", torch.bfloat16, "int4", kernels.DENSE_ROWS) and ok("cpu", torch.bfloat16, "int8", 64)
+    assert not ok("cpu", torch.bfloat16, "int4", kernels.DENSE_ROWS - 1) and not ok("cpu", torch.bfloat16, None, 64)
+    assert not ok("cpu", torch.float32, "int4", 64) and not ok("cuda", torch.bfloat16, "int4", 64)
+    monkeypatch.setattr(kernels, "bf16_units", lambda: False)
+    assert not ok("cpu", torch.bfloat16, "int4", 64)
+
+
+def test_loading_in_blocks_of_rows_gives_the_same_model(tmp_path, monkeypatch):
+    """Loading reads each tensor a block of rows at a time (no full-precision copy of a whole matrix): with blocks of a
+    few rows the fp32 model, the int8 and the min-max int4 model hold exactly the numbers of a whole-tensor read."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = tiny_dir(str(tmp_path / "m"), intermediate_size=128, model_type="qwen2")
+    state = lambda q: {n: kernels.dense(getattr(o, a)).float() for o, a, (n, *_) in
+                       load_model(path, "cpu", torch.bfloat16 if q else torch.float32, q).matrices()} | {
+        n: p.float() for n, p in load_model(path, "cpu", torch.bfloat16 if q else torch.float32, q).named_parameters()
+        if not p.is_meta}
+    whole = {q: state(q) for q in (None, "int8", "int4")}
+    monkeypatch.setattr(M, "READ_BYTES", 300)  # a row or two of each matrix per read
+    for q in (None, "int8", "int4"):
+        blocks = state(q)
+        assert blocks.keys() == whole[q].keys() and all(torch.equal(blocks[n], whole[q][n]) for n in blocks), q
+    ckpt = M.Checkpoint(Path(path), {n: ("model.safetensors", list(t.shape)) for n, t in
+                                     load_file(os.path.join(path, "model.safetensors")).items()})
+    assert len(list(ckpt.blocks_of_rows("model.embed_tokens.weight"))) > 10
+    assert torch.equal(ckpt.read("model.norm.weight"), load_file(os.path.join(path, "model.safetensors"))[
+        "model.norm.weight"])
+
+
+def test_a_side_file_made_beside_other_weights_is_refused(tmp_path):
+    """The 4-bit side file records a fingerprint of the weights it was made beside: after model.safetensors' down_proj
+    is halved, --quant int4 refuses in one line naming the side file and the fix (it ran the old model before); a side
+    file from before the fingerprint is checked by its blocks' values instead; a directory's rows key by it."""
+    from safetensors.numpy import load_file as load_np, save_file as save_np
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, four_bit=True)
+    out = tmp_path / "m"
+    out.mkdir()
+    weights.convert(src, out, weights.Source("m", (), "", "", 0, "Apache-2.0"))
+    side, fp32 = out / weights.SIDE, out / "model.safetensors"
+    with M.opened(side) as f:
+        meta = f.metadata()
+    assert meta["source"] == weights.source_digest(fp32)
+    load_model(out, "cpu", torch.bfloat16, "int4")  # its own weights: accepted
+    args = SimpleNamespace(device="cpu", dtype=None, quant="int4", model=str(out), batch_size=1, cmd="accuracy",
+                           buffer=16)
+    key = ev.model_settings(args)
+    assert key["int4_source"] == meta["source"]
+    original = load_np(str(fp32))
+    halved = dict(original, **{"model.layers.0.mlp.down_proj.weight": original["model.layers.0.mlp.down_proj.weight"]
+                               / 2})
+    save_np(halved, str(fp32))
+    with pytest.raises(ModelError, match=rf"{re.escape(str(side))} was not made from the weights in .*: delete "
+                       r"model.int4.safetensors .* or convert the model again"):
+        load_model(out, "cpu", torch.bfloat16, "int4")
+    assert ev.model_settings(args)["int4_source"] != key["int4_source"]  # and the rows would not pair
+    load_model(out, "cpu", torch.bfloat16, "int8")  # int8 reads no 4-bit block: nothing to tie
+    # a side file written before the fingerprint: its blocks' values are compared with the fp32 file's
+    save_np(load_np(str(side)), str(side), metadata={k: v for k, v in meta.items() if k != "source"})
+    with pytest.raises(ModelError, match="was not made from the weights"):
+        load_model(out, "cpu", torch.bfloat16, "int4")
+    save_np(original, str(fp32))
+    load_model(out, "cpu", torch.bfloat16, "int4")
