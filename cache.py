@@ -145,6 +145,7 @@ class KVCache:
             side[:, b] = src.side[name][:, j]
         self.q_ring[:, b], self.q_pos[b] = src.q_ring[:, j], src.q_pos[j]
         self.length[b], self.next_pos[b], self.rows[b] = src.length[j], src.next_pos[j], src.rows[j]
+        self.holes |= src.holes  # a row whose heads hold different numbers of slots needs the mask
 
     def protected(self, layer: int, rows: slice, protect_below: Tensor, n_recent: int) -> Tensor:
         """[n, H_kv, S] bool: the slots of batch rows `rows` (n rows, each holding S slots) that always survive:

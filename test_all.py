@@ -4365,7 +4365,7 @@ def refill_rows(model, name, batch_size, prompts=REFILL, n=40, **kw):
     return outs, t, any(joined_mid_eviction)
 
 
-@pytest.mark.parametrize("name", DETERMINISTIC)
+@pytest.mark.parametrize("name", DETERMINISTIC + ["adakv", "criticalkv-ada"])
 def test_refill_rows_equal_unbatched_runs(tiny, name):
     """Greedy, fp32: with refill at 2 and 3 live rows, every prompt generates exactly the tokens of its unbatched run,
     rows joining while others are mid-eviction (K + r = 32: the 27-token row evicts on its 6th step)."""
