@@ -64,7 +64,8 @@ def answer_of(tok, ids: list[int], answer: str, prompt: list[int] = ()) -> tuple
 def step_rows(args) -> int:
     """The most rows a step of this sweep multiplies, which picks its matmul kernel (cli.bf16_matmul): the batch for
     free generation; a replay feeds chunks of --buffer tokens (and its first chunk holds the budget)."""
-    return args.batch_size if args.cmd == "accuracy" else max(args.batch_size, args.buffer)
+    rows = args.batch_size or 1  # None until main resolves the device's default
+    return rows if args.cmd == "accuracy" else max(rows, args.buffer)
 
 
 def model_of(args, lab: dict):
