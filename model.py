@@ -391,6 +391,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
                     params[name].copy_(f.get_tensor(name))
     if quant:
         quantize(model, quant, Checkpoint(path, shapes))
+    model.path = path  # where it came from: what a policy calibrates on it is cached beside it (triattention.py)
     return model.eval()
 
 

@@ -609,6 +609,8 @@ def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, seed=0, budget=12, buffer=4, prompt
     protected = (pos < prompt) | (pos >= S - buffer)
     side = {"h2o": torch.rand(B, H_kv, S, generator=g), "epikv": torch.randn(B, 1, S, generator=g).expand(B, H_kv, S),
             "vnorm": torch.zeros(B, H_kv, S)}
+    g2 = torch.Generator().manual_seed(seed + 1)  # issue 51's side state, drawn apart so that g's draws stay as they were
+    side |= {n: torch.rand(B, H_kv, S, generator=g2) for n in ("sh_hits", "sh_seen", "raas")}
     return P.ScoreCtx(
         layer=0, keys=k, values=v, pos=pos, protected=protected,
         queries=(qscale * torch.randn(B, H_kv * n_rep, w, D, generator=g)).to(dtype),
