@@ -11,6 +11,10 @@ baselines SnapKV (https://arxiv.org/abs/2404.14469), H2O (https://arxiv.org/abs/
 (https://arxiv.org/abs/2509.15038), LagKV (https://arxiv.org/abs/2504.04704), Scissorhands
 (https://arxiv.org/abs/2305.17118), RaaS (https://arxiv.org/abs/2502.11147); TriAttention, which reads RoPE's
 frequencies, has a file of its own (triattention.py).
+
+Laid out top to bottom: ScoreCtx; shared helpers; the scorers that read attention (streaming's positions aside:
+snapkv, h2o and the per-step observers Scissorhands and RaaS share, rkv, random); values (vase, the CurDKV leverage,
+criticalkv); the residual stream and K/V spread (epikv, epikv-lag, lagkv); the registry.
 """
 
 import math

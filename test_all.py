@@ -3925,3 +3925,13 @@ def test_raas_keeps_the_prompt_and_evicts_the_oldest_timestamps(tiny):
                 kept = torch.isin(pos[l, h, :S], after[l, h, :16]) & cand
                 assert (pos[l, h, :S][:6] == torch.arange(6)).all()
                 assert ts[l, h, :S][kept].min() >= ts[l, h, :S][cand & ~kept].max()
+
+
+@pytest.mark.parametrize("name", ["triattention", "triattention-layer", "curdkv", "lagkv", "scissorhands", "raas"])
+def test_issue51_batched_rows_equal_unbatched_runs(tiny, name):
+    """Greedy, fp32: each row of a batch of three prompts generates exactly the tokens of its unbatched run, for the
+    issue's deterministic policies (as test_batched_rows_equal_unbatched_runs does for the older ones)."""
+    batched, run = generate_rows(tiny, name, PROMPTS)
+    for prompt, got in zip(PROMPTS, batched):
+        assert generate_rows(tiny, name, [prompt])[0][0] == got
+    assert run.rounds[1] > run.rounds[0] > 0
