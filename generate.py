@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -112,6 +113,9 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
                          f"slots: use --budget >= {keep + buffer}{fix}")
     if stats_file and not p.prepare:
         raise UsageError(f"--triattention-stats is read by triattention and triattention-layer only, not {policy}")
+    if stats_file and not Path(stats_file).is_file():
+        raise UsageError(f"--triattention-stats {stats_file}: no such file (make one with the authors' "
+                         "scripts/calibrate.py, or drop the flag: nanokv then calibrates itself)")
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [], stats_file=stats_file)
 
 

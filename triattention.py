@@ -189,10 +189,11 @@ def head_scores(stats: FreqStats, layer: int, keys: Tensor, t: Tensor) -> Tensor
     turn = torch.polar(torch.ones_like(angle), angle)  # e^{i w t}
     a = stats.q_mean[layer] * (turn * stats.offset_weight()).to(torch.complex64)[:, None]  # [B, H_q, F]
     gap = (stats.q_abs[layer] - stats.q_mean[layer].abs()).expand(B, H_q, F)  # [B, H_q, F]
-    w = torch.cat([a.real, a.imag, gap], -1).view(B, H_kv, H_q // H_kv, D + F).transpose(-1, -2)  # [B, H_kv, D+F, rep]
+    group = lambda x: x.reshape(B, H_kv, H_q // H_kv, -1).transpose(-1, -2)  # [B, H_q, n] -> [B, H_kv, n, rep]
     k = keys.float()
-    k = torch.cat([k, torch.hypot(k[..., :F], k[..., F:])], -1)  # [B, H_kv, S, D + F]: k', then |k'_f| = |k_f|
-    return (k @ w).transpose(-1, -2).reshape(B, H_q, S)
+    s = k @ group(torch.cat([a.real, a.imag], -1))  # [B, H_kv, S, rep]: Re(a . conj(k'))
+    s += torch.hypot(k[..., :F], k[..., F:]) @ group(gap)  # |k'_f| = |k_f|: RoPE turns, never stretches
+    return s.transpose(-1, -2).reshape(B, H_q, S)
 
 
 def zscore(s: Tensor, candidates: Tensor) -> Tensor:
