@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -64,6 +65,8 @@ class Run:
     evict_s: float = 0.0  # seconds spent evicting, all rows
     max_slots: int = 0  # most slots any row ever held
     span: int = 0  # slots a row spans after a round (make_cache): K, or with per-head budgets the most a head may hold
+    stats_file: str | None = None  # the policy's statistics from a file (--triattention-stats), else its own
+    stats: object = None  # what policy.prepare made of the model (make_cache), handed to every ScoreCtx
     # watch(cache, b, when, scores) around each eviction of batch row b, untimed (eval.py, viewer.py). when: "before",
     # "scored" (no slot has moved yet; scores: row b's per layer, [H_kv or 1, S] each, as cache.evict will rank them)
     # or "after"; scores is None but at "scored"
@@ -89,10 +92,11 @@ class Run:
 
 
 def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None, prompt_len: int | list[int],
-             seed: int = 0, ids: list[int] | None = None) -> Run:
+             seed: int = 0, ids: list[int] | None = None, stats_file: str | None = None) -> Run:
     """Check the settings against each other and the prompt (or each row's prompt, for a batch);
     protect=None takes the policy's paper default. ids: each row's identity for its random draws, e.g. its problem's
-    index in a sweep, so that a row's draws do not depend on which batch it ran in."""
+    index in a sweep, so that a row's draws do not depend on which batch it ran in. stats_file: a calibration file
+    for a policy that reads one (TriAttention, in its authors' format)."""
     lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
@@ -114,7 +118,12 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
-    return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [])
+    if stats_file and not p.prepare:
+        raise UsageError(f"--triattention-stats is read by triattention and triattention-layer only, not {policy}")
+    if stats_file and not Path(stats_file).is_file():
+        raise UsageError(f"--triattention-stats {stats_file}: no such file (make one with the authors' "
+                         "scripts/calibrate.py, or drop the flag: nanokv then calibrates itself)")
+    return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [], stats_file=stats_file)
 
 
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
@@ -126,6 +135,8 @@ def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCa
     evicts = run.budget is not None and n_tokens > run.budget + run.buffer
     cap = run.span + run.buffer if evicts else n_tokens
     run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh
+    if run.policy.prepare and run.stats is None:  # e.g. TriAttention's calibration: once a request, cached on disk
+        run.stats = run.policy.prepare(model, run.stats_file)
     return empty_cache(model, run, len(run.prompt_len) if batch is None else batch, cap)
 
 
@@ -169,7 +180,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
                        protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],
                        wo=blk.self_attn.o_proj.weight, side={k: s[layer, r, :, :S] for k, s in cache.side.items()},
                        all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generators=gens,
-                       fresh=run.span if run.rounds[rows[0]] else 0, memo=memo)
+                       fresh=run.span if run.rounds[rows[0]] else 0, memo=memo, stats=run.stats)
         s = run.policy.score(ctx)
         if blk.self_attn.window and s.shape[1] > 1:  # a sliding layer never again sees keys that left its window:
             # they go first (not for one-set scorers such as EPIKV, whose layers must keep the same positions)
@@ -390,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "steps once the cache holds K + r slots")
     ap.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
                     help="keep every prompt token (default: the policy's paper setting)")
+    ap.add_argument("--triattention-stats", default=None, metavar="FILE", help="triattention's query statistics from "
+                    "a file in its authors' format (scripts/calibrate.py); default: nanokv calibrates on data/ once "
+                    "and caches the result beside the model")
     ap.add_argument("--show-kept", type=int, nargs="?", const=-1, default=None, metavar="LAYER",
                     help="after generating, map which positions each KV head of LAYER kept (default: middle layer)")
     ap.add_argument("--kept-json", default=None, metavar="FILE", help="also write the positions that LAYER of "
@@ -482,7 +496,8 @@ def run_cli(args):
         raise UsageError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
-    make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed)  # settings, before loading
+    make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed,  # settings, before loading
+             stats_file=args.triattention_stats)
     comparing = compare_run(args, 1) is not None
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
@@ -506,7 +521,8 @@ def run_cli(args):
     if len(prompt) + args.max_new_tokens > limit:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {limit} positions: shorten the prompt or lower --max-new-tokens")
-    run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed)
+    run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed,
+                   stats_file=args.triattention_stats)
     other, vs = compare_run(args, len(prompt)), args.vs or "full"
     L = model.cfg.num_hidden_layers
     if args.show_kept is not None and not -1 <= args.show_kept < L:

@@ -396,6 +396,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
                 p[rows].copy_(block)
     if quant:
         quantize(model, quant, ckpt)
+    model.path = path  # where it came from: what a policy calibrates on it is cached beside it (triattention.py)
     return model.eval()
 
 

@@ -7,7 +7,14 @@ from the last w queries, w x S, or from one extra q.K^T per decode step for H2O)
 Papers: EPIKV (https://arxiv.org/abs/2606.26472), VASE (https://arxiv.org/abs/2606.03928), CriticalKV
 (https://arxiv.org/abs/2502.03805), Random Attention (prompt protection + per-head random keep), and the
 baselines SnapKV (https://arxiv.org/abs/2404.14469), H2O (https://arxiv.org/abs/2306.14048), StreamingLLM
-(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133), AdaKV (https://arxiv.org/abs/2407.11550).
+(https://arxiv.org/abs/2309.17453), R-KV (https://arxiv.org/abs/2505.24133), AdaKV (https://arxiv.org/abs/2407.11550),
+and the seeds' own baselines CurDKV (https://arxiv.org/abs/2509.15038), LagKV (https://arxiv.org/abs/2504.04704),
+Scissorhands (https://arxiv.org/abs/2305.17118), RaaS (https://arxiv.org/abs/2502.11147); TriAttention, which reads
+RoPE's frequencies, has a file of its own (triattention.py).
+
+Laid out top to bottom: ScoreCtx; shared helpers; the scorers that read attention (streaming's positions aside:
+snapkv, h2o and the per-step observers Scissorhands and RaaS share, rkv, random); values (vase, the CurDKV leverage,
+criticalkv; adakv and criticalkv-ada, whose heads get their own budgets from budgets.py); the residual stream and K/V spread (epikv, epikv-lag, lagkv); the registry.
 """
 
 import math
@@ -22,6 +29,8 @@ from torch import Tensor
 import budgets
 from cache import FREE
 from kernels import dense, linear, window_attn_mass
+from triattention import prepare as triattention_stats
+from triattention import triattention
 
 BIG = 1e30  # "always keep among the candidates", below cache.evict's +inf for protected slots
 N_SINK = 4  # StreamingLLM's attention sinks, kept when the prompt is not protected (generate.make_run)
@@ -50,6 +59,7 @@ class ScoreCtx:
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
     keep: Tensor | None = None  # set by a scorer that gives heads their own budgets: [B, H_kv] slots each keeps, buffer
     # included (budgets.py); None = every head keeps K
+    stats: object = None  # what Policy.prepare made of the model, once a request (TriAttention's query statistics)
 
 
 # -----------------------------------------------------------------------------
@@ -132,10 +142,10 @@ def h2o(ctx: ScoreCtx) -> Tensor:
     return ctx.side["h2o"]
 
 
-def h2o_observe(cache, out, run):
-    """After each forward: add the new queries' attention to every held key (one q.K^T, never n x n).
-    All layers and rows go through one batched call: free slots sit at position FREE, after every query, and a
-    padding column's query is marked empty (-1), so neither gets or gives any attention."""
+def step_attention(cache, out) -> Tensor:
+    """The attention each held slot got in this forward, [L, B, H_kv, S]: summed over the chunk's queries and each GQA
+    group (one q.K^T, never n x n). All layers and rows go through one batched call: free slots sit at position FREE,
+    after every query, and a padding column's query is marked empty (-1), so neither gets or gives any attention."""
     L, B, H_kv = cache.k.shape[:3]
     S, chunk = max(cache.length), out.chunk
     q = torch.stack(out.queries).flatten(0, 1)  # [L * B, H_q, T, D]
@@ -144,7 +154,62 @@ def h2o_observe(cache, out, run):
     q_pos = chunk.pos.masked_fill(~real, -1).repeat(L, 1)  # [L * B, T]
     keys, pos = cache.k[:, :, :, :S].flatten(0, 1), cache.pos[:, :, :, :S].flatten(0, 1)  # [L * B, H_kv, S(, D)]
     mass = window_attn_mass(q, keys, q_pos, pos, 1.0 / math.sqrt(D))  # [L * B, H_q, S]
-    cache.side["h2o"][:, :, :, :S] += mass.view(L, B, H_kv, -1, S).sum(3)  # summed over each GQA group
+    return mass.view(L, B, H_kv, -1, S).sum(3)
+
+
+def h2o_observe(cache, out, run):
+    """After each forward: add the new queries' attention to every held key."""
+    mass = step_attention(cache, out)
+    cache.side["h2o"][:, :, :, : mass.shape[-1]] += mass
+
+
+def step_share(cache, out) -> tuple[Tensor, Tensor, Tensor]:
+    """This forward's attention per slot as the mean one query of the GQA group paid it, [L, B, H_kv, S]; which slots
+    the rows hold ([L, B, H_kv, S] bool, rows that took no token hold none); and each row's held count [B].
+    note: a chunk of T > 1 tokens (a prefill, a teacher-forced block) is one observation: its queries' mean, each
+    slot divided by the queries that see it (cold-compress's prefill rule); a decode step is exact."""
+    mass = step_attention(cache, out)
+    S, chunk, dev = mass.shape[-1], out.chunk, mass.device
+    n = torch.tensor(chunk.n, device=dev)  # [B] real tokens per row
+    pos = cache.pos[:, :, :, :S]
+    last = chunk.pos.gather(1, chunk.last[:, None])[:, 0]  # [B] each row's newest position
+    seen_by = (last[None, :, None, None] - pos + 1).clamp(min=1).minimum(n[None, :, None, None].clamp(min=1))
+    held = (pos <= last[None, :, None, None]) & (n > 0)[None, :, None, None]
+    n_rep = out.queries[0].shape[1] // mass.shape[2]
+    return mass / (seen_by * n_rep), held, torch.tensor(cache.length, device=dev)
+
+
+def scissorhands_observe(cache, out, run):
+    """Scissorhands (https://arxiv.org/abs/2305.17118), as cold-compress's attn_thresholding: count, per slot, the steps
+    in which its attention reached the uniform share 1 / (slots held), and the steps it was there for."""
+    share, held, n_held = step_share(cache, out)
+    S = share.shape[-1]
+    cache.side["sh_hits"][..., :S] += (share >= 1.0 / n_held[None, :, None, None]) & held
+    cache.side["sh_seen"][..., :S] += held
+
+
+def scissorhands(ctx: ScoreCtx) -> Tensor:
+    """Scissorhands: the share of the steps a slot was held in which it drew at least the uniform attention (the
+    "persistence of importance"). note: over its whole stay, cold-compress's default (history_window_size=1), not the
+    paper's last m = 400 steps, which needs a 400-deep history per slot."""
+    return ctx.side["sh_hits"] / ctx.side["sh_seen"].clamp(min=1)
+
+
+def raas_observe(cache, out, run):
+    """RaaS (https://arxiv.org/abs/2502.11147): a slot's timestamp becomes now whenever it is in the top half (by count)
+    of its row's held slots by this step's attention; a new slot starts at its own position."""
+    share, held, n_held = step_share(cache, out)
+    S = share.shape[-1]
+    ts, pos = cache.side["raas"][..., :S], cache.pos[:, :, :, :S]
+    rank = share.masked_fill(~held, -1.0).argsort(-1, descending=True).argsort(-1)  # 0 = most attended
+    top = (rank < (n_held + 1)[None, :, None, None] // 2) & held
+    now = out.chunk.pos.gather(1, out.chunk.last[:, None])[:, 0].float()[None, :, None, None]  # [1, B, 1, 1]
+    ts.copy_(torch.where(top, now.expand_as(ts), torch.where(held, ts.maximum(pos.float()), ts)))
+
+
+def raas(ctx: ScoreCtx) -> Tensor:
+    """RaaS: the most recently useful slots win, the oldest timestamps go (least recently used); the prompt is kept."""
+    return ctx.side["raas"]
 
 
 def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8) -> Tensor:
@@ -215,14 +280,31 @@ def vase(ctx: ScoreCtx, sample: bool = True, reserve: int = 1, weights=candidate
     return s.masked_fill(widest, BIG * reserve)
 
 
+def cur_leverage(x: Tensor, G: Tensor | None = None, window: int = 0) -> Tensor:
+    """CurDKV's approximate leverage of each slot, x [B, H_kv, S, D] -> [B, H_kv, S]: ||x G||^2 with row b's sketch
+    G[b] [D, r], or ||x||^2 without one; with window > 0, normalised to sum 1 within each `window` slots from slot 0
+    (a last partial window over its own slots)."""
+    s = x.float().square().sum(-1) if G is None else torch.stack([(x[b].float() @ G[b]).square().sum(-1)
+                                                                   for b in range(len(G))])
+    if window:
+        n = s.shape[-1]
+        w = F.pad(s, (0, -n % window)).unflatten(-1, (-1, window))  # [B, H_kv, S / window, window]
+        s = (w / w.sum(-1, keepdim=True)).flatten(-2)[..., :n]
+    return s
+
+
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian
     sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (each row's generator is seeded per row, layer
     and round)."""
     G = draw(ctx, torch.randn, ctx.keys.shape[-1], rank) / math.sqrt(rank)  # [B, D, rank], one sketch per row
-    # ||x G||^2 row by row (each row's own sketch): [B, H_kv, S]
-    leverage = lambda x: torch.stack([(x[b].float() @ G[b]).square().sum(-1) for b in range(len(G))])
-    return leverage(ctx.keys) * leverage(ctx.values)
+    return cur_leverage(ctx.keys, G) * cur_leverage(ctx.values, G)
+
+
+def curdkv(ctx: ScoreCtx, window: int = 16) -> Tensor:
+    """CurDKV (https://arxiv.org/abs/2509.15038) as kvpress's CURPress defaults: deterministic, the exact ||k||^2 *
+    ||v||^2 (the sketch off), each normalised within 16-slot windows; the 4 sinks come from protection."""
+    return cur_leverage(ctx.keys, window=window) * cur_leverage(ctx.values, window=window)
 
 
 def value_norms(values: Tensor, wo: Tensor) -> Tensor:
@@ -357,6 +439,34 @@ def epikv_lag(ctx: ScoreCtx, chunk: int = 128) -> Tensor:
     return ctx.memo["lag"]
 
 
+def lag_score(x: Tensor, lag: int) -> Tensor:
+    """LagKV's score of whole chunks x [H, n, lag, D]: each of the first n - 1 chunks min-max normalised per channel by
+    the *next* chunk, std over channels (unbiased), softmax over the chunk. -> [H, n - 1, lag]"""
+    ref, x = x[:, 1:], x[:, :-1]
+    lo, hi = ref.amin(-2, keepdim=True), ref.amax(-2, keepdim=True)
+    return ((x - lo) / (hi - lo)).std(-1).softmax(-1)
+
+
+def lagkv(ctx: ScoreCtx, lag: int = 128) -> Tensor:
+    """LagKV (https://arxiv.org/abs/2504.04704) as kvpress's LagKVPress (lag 128, sinks 4): per layer and KV head,
+    chunks of `lag` slots after the protected ones, each scored by the next chunk's min/max (K and V scores summed),
+    ranked within its chunk (rank / lag, so every chunk keeps about the same share); the last whole chunk and the rest,
+    which have no next chunk, are kept first, newest first. Against epikv-lag, in a line each: the next chunk, not the
+    previous; per layer and head, not averaged over layers and heads; a softmax and a rank within each chunk, not raw
+    std; the unreferenced tail kept, not the first chunk left raw."""
+    B, H, S, D = ctx.keys.shape
+    out = (1 + torch.arange(S, device=ctx.keys.device) / S).repeat(B, H, 1)  # [B, H, S] the tail's scores, > any rank
+    for b in range(B):  # rows hold different prompts, so their chunks start at different slots
+        P = int(ctx.protected[b, 0, : S - ctx.buffer].sum())  # the prompt or the sinks: the leading slots
+        n = (S - P) // lag
+        if n < 2:
+            continue
+        chunks = lambda x: x[b, :, P : P + n * lag].float().view(H, n, lag, D)
+        s = lag_score(chunks(ctx.keys), lag) + lag_score(chunks(ctx.values), lag)  # [H, n - 1, lag]
+        out[b, :, P : P + (n - 1) * lag] = (s.argsort(-1).argsort(-1) / lag).flatten(1)
+    return out
+
+
 # -----------------------------------------------------------------------------
 # the registry
 
@@ -369,6 +479,7 @@ class Policy:
     observe: Callable | None = None  # observe(cache, out, run) after every forward, for state built while decoding
     side: tuple = ()  # per-slot side state the cache must carry
     per_head: bool = False  # heads get their own budgets (the scorer sets ScoreCtx.keep); the cache: budgets.head_cap
+    prepare: Callable | None = None  # prepare(model, stats_file) -> ScoreCtx.stats, once a request (calibration)
 
 
 POLICIES = {
@@ -392,4 +503,11 @@ POLICIES = {
     # budgets that differ per head, evicting for real at every round (kvpress only masks at decode time)
     "adakv": Policy(adakv, window="buffer", per_head=True),
     "criticalkv-ada": Policy(criticalkv_ada, window="buffer", side=("vnorm",), per_head=True),
+    # the seeds' own baselines (DESIGN.md §6b)
+    "triattention": Policy(triattention, protect_prompt=True, prepare=triattention_stats),
+    "triattention-layer": Policy(partial(triattention, shared=False), protect_prompt=True, prepare=triattention_stats),
+    "curdkv": Policy(curdkv),
+    "lagkv": Policy(lagkv),
+    "scissorhands": Policy(scissorhands, observe=scissorhands_observe, side=("sh_hits", "sh_seen")),
+    "raas": Policy(raas, protect_prompt=True, observe=raas_observe, side=("raas",)),
 }
