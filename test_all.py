@@ -4984,7 +4984,7 @@ def test_a_side_file_made_beside_other_weights_is_refused(tmp_path):
 import triattention as TA
 
 
-def jaccard(a: Tensor, b: Tensor) -> float:
+def jaccard_masks(a: Tensor, b: Tensor) -> float:
     """|A & B| / |A | B| of two bool masks."""
     return ((a & b).sum() / (a | b).sum().clamp(min=1)).item()
 
@@ -5115,7 +5115,7 @@ def test_triattention_matches_authors_scores_and_selection(smol_trace, mode):
         for kv in range(cfg.num_key_value_heads):
             want = torch.zeros(S, dtype=torch.bool)
             want[prompt + agg[l, kv].topk(keep).indices] = True
-            assert jaccard(got[kv], want) == 1.0
+            assert jaccard_masks(got[kv], want) == 1.0
 
 
 def test_triattention_statistics_file_and_cache(tmp_path, monkeypatch):
@@ -5183,7 +5183,7 @@ def test_curdkv_matches_kvpress_curpress():
     ctx = ctx_for(S=41, B=2, budget=25, buffer=4, prompt=4)
     ref = authors_curpress(ctx.keys, ctx.values)
     keep = 25 - 4 - 4
-    assert jaccard(kept_candidates(P.curdkv(ctx), ctx.protected, keep),
+    assert jaccard_masks(kept_candidates(P.curdkv(ctx), ctx.protected, keep),
                    kept_candidates(ref, ctx.protected, keep)) == 1.0
 
 
@@ -5230,7 +5230,7 @@ def test_lagkv_matches_kvpress_lagkvpress(S):
     ctx = ctx_for(S=S, B=1, budget=36 + S - 60, buffer=4, prompt=4)
     keep = ctx.budget - 8
     ref = authors_lagkv(ctx.keys, ctx.values, 4, 8)
-    assert jaccard(kept_candidates(P.lagkv(ctx, lag=8), ctx.protected, keep),
+    assert jaccard_masks(kept_candidates(P.lagkv(ctx, lag=8), ctx.protected, keep),
                    kept_candidates(ref, ctx.protected, keep)) == 1.0
 
 
