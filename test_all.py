@@ -3416,7 +3416,7 @@ def test_gguf_conversion_keeps_the_4bit_blocks(tmp_path):
         q = quant.unpack_nibbles(torch.from_numpy(side[f"{name}.q"])).numpy().astype(np.float32)
         assert np.array_equal(q * np.repeat(side[f"{name}.scale"], 32, 1) + np.repeat(side[f"{name}.offset"], 32, 1),
                               fp32[name])
-    ckpt = M.Checkpoint(out, {})
+    ckpt = M.Checkpoint(out, {n: ("model.safetensors", list(a.shape)) for n, a in fp32.items()})
     assert ckpt.types[kept[1]] == "Q4_K" and ckpt.types[kept[0]] == "Q4_1" and ckpt.types["lm_head.weight"] == "Q8_0"
     model = load_model(out, "cpu", torch.float32, "int4")
     mlp = model.model.layers[0].mlp
@@ -4248,7 +4248,10 @@ def side_file(path, **edit):
     q = torch.zeros(edit.get("shape", (96, 32)), dtype=torch.uint8)
     tensors = {f"{name}.q": q, f"{name}.scale": torch.ones(96, 2), f"{name}.offset": torch.zeros(96, 2)}
     types = edit.get("types", json.dumps({"model.layers.0.mlp.up_proj.weight": "Q4_1"}))
-    save_file(tensors, os.path.join(path, "model.int4.safetensors"), metadata={"gguf_types": types})
+    from pathlib import Path
+
+    source = weights.source_digest(Path(path) / "model.safetensors")  # made beside this model's weights
+    save_file(tensors, os.path.join(path, "model.int4.safetensors"), metadata={"gguf_types": types, "source": source})
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -4957,7 +4960,7 @@ def test_a_side_file_made_beside_other_weights_is_refused(tmp_path):
     assert meta["source"] == weights.source_digest(fp32)
     load_model(out, "cpu", torch.bfloat16, "int4")  # its own weights: accepted
     args = SimpleNamespace(device="cpu", dtype=None, quant="int4", model=str(out), batch_size=1, cmd="accuracy",
-                           buffer=16)
+                           buffer=16, thinking=None)
     key = ev.model_settings(args)
     assert key["int4_source"] == meta["source"]
     original = load_np(str(fp32))

@@ -172,23 +172,29 @@ def check_evictions(model, K: int, r: int, B: int, P: int, context: int) -> list
 
 
 def invariants(cache, run, K: int, r: int) -> tuple[bool, str]:
-    """Whether every row went through two rounds and holds K slots per layer and KV head, in position order, no
-    position twice, its protected positions (prompt or sinks) and its newest r tokens (the buffer) among them."""
+    """Whether every row went through two rounds and holds K slots per layer and KV head (a per-head policy: its heads
+    hold H_kv x K together, each its own number, the rest of the row free), in position order, no position twice, its
+    protected positions (prompt or sinks) and its newest r tokens (the buffer) among them."""
     import torch
+    from cache import FREE
 
-    bad = []
-    if run.rounds != [2] * len(run.rounds) or cache.length != [K] * len(run.rounds):
+    bad, B = [], len(run.rounds)
+    S = run.span if run.policy.per_head else K  # a row's length after a round
+    if run.rounds != [2] * B or cache.length != [S] * B:
         bad.append(f"rounds {sorted(set(run.rounds))}, slots {sorted(set(cache.length))}")
-    pos = cache.pos[:, :, :, :K]  # [L, B, H_kv, K]
-    if not bool((pos[..., 1:] > pos[..., :-1]).all()):
+    pos = cache.pos[:, :, :, :S]  # [L, B, H_kv, S]
+    held = pos != FREE  # each head's slots first, then the free ones
+    counts = held.sum(-1)  # [L, B, H_kv]
+    if not bool((counts == K).all() if not run.policy.per_head else (counts.sum(-1) <= K * counts.shape[-1]).all()):
+        bad.append(f"slots per head {counts.min().item()}-{counts.max().item()}, not K = {K}")
+    if not bool(((pos[..., 1:] > pos[..., :-1]) | ~held[..., 1:]).all() and (held[..., :-1] | ~held[..., 1:]).all()):
         bad.append("positions out of order or repeated")
     below = torch.tensor(run.protect_below, device=pos.device)[None, :, None, None]
-    if not bool(((pos < below).sum(-1) == below[..., 0]).all()):
+    if not bool((((pos < below) & held).sum(-1) == below[..., 0]).all()):
         bad.append("a protected position evicted")
     newest = torch.tensor(cache.next_pos, device=pos.device)[None, :, None, None] - r
-    if not bool(((pos >= newest).sum(-1) == r).all()):  # the r tokens fed since the first round
+    if not bool((((pos >= newest) & held).sum(-1) == r).all()):  # the r tokens fed since the first round
         bad.append("the recent buffer not held")
-    B = len(run.rounds)
     ms = run.evict_s / max(run.evictions / B, 1) * 1e3  # the rows are due together: one round evicts all B
     return not bad, "; ".join(bad) or f"2 rounds of {B} rows at once, {ms:.1f} ms per round"
 
