@@ -63,7 +63,10 @@ def answer_of(tok, ids: list[int], answer: str, prompt: list[int] = ()) -> tuple
 
 def step_rows(args) -> int:
     """The most rows a step of this sweep multiplies, which picks its matmul kernel (cli.bf16_matmul): the batch for
-    free generation; a replay feeds chunks of --buffer tokens (and its first chunk holds the budget)."""
+    free generation; a replay feeds chunks of --buffer tokens (and its first chunk holds the budget). --int-kernels
+    counts as one row: the int kernels at every size, and the rows' keys of before the bf16 copies."""
+    if getattr(args, "int_kernels", False):
+        return 1
     rows = args.batch_size or 1  # None until main resolves the device's default
     return rows if args.cmd == "accuracy" else max(rows, args.buffer)
 
@@ -407,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--buffer", type=int, default=64, help="r: newest tokens never scored; eviction every r steps")
     common.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
                         help="keep every prompt token, for all policies (default: each policy's paper setting)")
+    common.add_argument("--int-kernels", action="store_true", help="with --quant, torch's int kernels at every batch "
+                        "size, never the bf16 copies of a CPU with bf16 units: the numbers (and row keys) of the sweeps "
+                        "made before them, for runs that must pair with those rows")
     common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
     common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
                         "several sweeps on one machine may write one file at once")

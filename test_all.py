@@ -105,6 +105,15 @@ def tiny_dir(path, seed=0, **over) -> str:
     return path
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Every test starts with torch's own thread count: a test that calls cli.cpu_threads must not change the numbers
+    of the tests after it (fp32 at one thread rounds batched rows differently; see RESULTS.md on curdkv's ties)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_model(tiny_dir(str(tmp_path_factory.mktemp("tiny"))))
@@ -3114,15 +3123,22 @@ class Dom(HTMLParser):
                 self.spans[-1][2] += data
 
 
-def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_path):
-    """Opened at #step=N&layer=L&token=P, the page's map holds, head by head, exactly the positions the recording says
-    that layer holds after N decode steps (vase's reserve marked where its score was >= BIG, and nothing else), each
-    token's shading counts the (layer, head) slots that hold it, and the details list every layer."""
+def recorded_page(recorded, tiny, tmp_path):
+    """The --html page of the recorded runs (each token's text its id), written to tmp_path; returns its path."""
     prompt, runs = recorded
     views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
              for name, (run, rec, ids, _) in runs.items()]
     page = tmp_path / "kept.html"
     page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
+    return page
+
+
+def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_path):
+    """Opened at #step=N&layer=L&token=P, the page's map holds, head by head, exactly the positions the recording says
+    that layer holds after N decode steps (vase's reserve marked where its score was >= BIG, and nothing else), each
+    token's shading counts the (layer, head) slots that hold it, and the details list every layer."""
+    prompt, runs = recorded
+    page = recorded_page(recorded, tiny, tmp_path)
     run, rec, ids, _ = runs["vase"]
     step, layer, fed = 26, 1, len(prompt) + len(ids) - 1
     # between two rounds, so that the map also shows positions fed since the last one
@@ -4538,10 +4554,7 @@ def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
     from PIL import Image
 
     prompt, runs = recorded
-    views = [viewer.view(name, run, rec, prompt, ids, [f"{t} ".encode() for t in prompt + ids])
-             for name, (run, rec, ids, _) in runs.items()]
-    page = tmp_path / "kept.html"
-    page.write_text(viewer.page(views, tiny.cfg, len(prompt)), encoding="utf-8")
+    page = recorded_page(recorded, tiny, tmp_path)
     run, rec, ids, _ = runs["vase"]
     P_, fed, protect = len(prompt), len(prompt) + len(ids) - 1, run.protect_below[0]
     first = max(0, rec.rounds[0].at - P_)
@@ -5306,3 +5319,16 @@ def test_issue51_batched_rows_equal_unbatched_runs(tiny, name):
     for prompt, got in zip(PROMPTS, batched):
         assert generate_rows(tiny, name, [prompt])[0][0] == got
     assert run.rounds[1] > run.rounds[0] > 0
+
+
+def test_int_kernels_keep_the_rows_keys_of_before_the_bf16_copies(monkeypatch):
+    """eval.py --int-kernels: a batch-16 int4 sweep on a CPU with bf16 units keys its rows as the int kernels' (no
+    bf16_rows), so that it pairs with rows made before the copies; without the flag it is keyed apart."""
+    monkeypatch.setattr(kernels, "bf16_units", lambda: True)
+    argv = ["accuracy", "--quant", "int4", "--batch-size", "16", "--data", str(ev.DATA / "gsm8k_test.jsonl")]
+    args = ev.build_parser().parse_args(argv)
+    args.thinking = getattr(args, "thinking", None)
+    assert ev.model_settings(args).get("bf16_rows") == kernels.DENSE_ROWS
+    args = ev.build_parser().parse_args(argv + ["--int-kernels"])
+    args.thinking = getattr(args, "thinking", None)
+    assert "bf16_rows" not in ev.model_settings(args) and ev.step_rows(args) == 1

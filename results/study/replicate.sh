@@ -22,12 +22,14 @@ step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
 # Not on the refill path (issue 53): eval.py accuracy now refills a finished problem's row by default, and keys such
 # rows apart ("refill": true), because bf16/int4 matmuls may round a row differently beside other rows. This study's
 # rows were made without it, so its accuracy sweeps pass --no-refill: rerun, it resumes and reports its own rows rather
-# than computing every one again. A new study (the seeds' baselines) should drop --no-refill, and compare its rows
-# with these only as a new mode's (RESULTS.md, issue 53: in bf16 a row's tokens depend on the rows beside it, and on
+# than computing every one again. A new study that pairs with these rows keeps both flags (results/study/seeds.sh); one that drops them compares
+# its rows with these only as a new mode's (RESULTS.md, issue 53: in bf16 a row's tokens depend on the rows beside it, and on
 # the 135M 19 of 32 answers changed). Refill takes 1.65x fewer decode steps at batch 16 on 100 GSM8K problems, but
 # int4's step here costs about the same per row at any batch size: 1.04x less time on an AMD EPYC without AMX.
+# Nor on the bf16 copies of int4's values (issue 53), which a CPU with bf16 units would take at batch 16 and key apart:
+# --int-kernels keeps torch's int kernels, as every row here was made.
 NR=--no-refill
-Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16"
+Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16 --int-kernels"
 # the 0.5B's 200 problems: K = 208, r = 16 (the longest protected prompt, 178 tokens, fits K - r = 192; a median
 # answer, 280 tokens, sees ~9 rounds)
 G05="$NR --model qwen2.5-coder-0.5b --quant int4 --batch-size 16 --data data/gsm8k_test.jsonl --n 200 --budgets 208
