@@ -107,11 +107,12 @@ def tiny_dir(path, seed=0, **over) -> str:
 
 @pytest.fixture(autouse=True)
 def torch_threads():
-    """Every test starts with torch's own thread count: a test that calls cli.cpu_threads must not change the numbers
-    of the tests after it (fp32 at one thread rounds batched rows differently; see RESULTS.md on curdkv's ties)."""
-    n = torch.get_num_threads()
+    """Every test starts with torch's own thread count: a test or a module's fixture that calls cli.cpu_threads must
+    not change the numbers of the tests after it (fp32 at one thread rounds batched rows differently; see RESULTS.md on
+    curdkv's near-ties)."""
+    torch.set_num_threads(cli.TORCH_THREADS)  # torch's own choice, read when cli was first imported
     yield
-    torch.set_num_threads(n)
+    torch.set_num_threads(cli.TORCH_THREADS)
 
 
 @pytest.fixture(scope="module")
