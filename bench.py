@@ -79,7 +79,7 @@ def jobs(args) -> list[dict]:
               "protect": protect, "seed": args.seed, "model": model_key(args.model), "device": str(device),
               "dtype": str(dtype), **({"quant": args.quant} if args.quant else {})}  # old rows keep their keys
     rows = [{"policy": n, "context": c, "batch": b, "eager": False, "budget": None if n == "full" else args.budget,
-             **({"side_by_side": True} if args.side_by_side and b > 1 else {})}  # in the key only where it adds a figure
+             **({"side_by_side": True} if args.side_by_side and b > 1 else {})}  # in the key only where it adds one
             for n in names for c in contexts for b in batches]
     rows += [{"policy": "full", "context": c, "batch": b, "eager": True, "budget": None}
              for c in contexts for b in batches] if args.eager else []

@@ -162,26 +162,34 @@ class KVCache:
         keep may instead give each head its own count, per layer [n, H_kv] (see evict_per_head)."""
         if not isinstance(keep, int):
             return self.evict_per_head(rows, scores, protected, keep, span)
-        S, cap = self.length[rows.start], self.capacity
+        S = self.length[rows.start]
         for layer, (s, p) in enumerate(zip(scores, protected)):
-            k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
-            n, H, _, D = k.shape
+            pos = self.pos[layer, rows]  # [n, H_kv, cap]
+            n, H = pos.shape[:2]
             s = s.float().nan_to_num(nan=-float("inf")).expand(n, H, S)  # a NaN must never outrank +inf
             s = s.masked_fill(p, float("inf"))
             # keep the top `keep`, then restore temporal order so slots stay sorted by position
             idx = s.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values  # [n, H_kv, keep]
-            # the kept slots of every (row, head) as rows of a [n * H_kv * cap, D] view: one index_select moves whole
-            # D-vectors (a gather with an expanded index moves them a float at a time, ~8x slower on CPU)
-            flat = (idx + torch.arange(n * H, device=idx.device).view(n, H, 1) * cap).view(-1)  # [n * H_kv * keep]
-            # note: index_select reads everything before the write-back, so overlapping ranges are safe
-            k[:, :, :keep] = k.reshape(n * H * cap, D).index_select(0, flat).view(n, H, keep, D)
-            v[:, :, :keep] = v.reshape(n * H * cap, D).index_select(0, flat).view(n, H, keep, D)
-            pos[:, :, :keep] = pos[:, :, :S].gather(2, idx)
+            self.move(layer, rows, idx, S)
             pos[:, :, keep:S] = FREE
-            for side in self.side.values():
-                side[layer, rows, :, :keep] = side[layer, rows, :, :S].gather(2, idx)
         for b in range(rows.start, rows.stop):
             self.length[b] = keep
+
+    def move(self, layer: int, rows: slice, idx: Tensor, S: int):
+        """Bring slots idx [n, H_kv, m] (of the first S) of every (row, KV head) to the front, in that order: keys,
+        values, positions and side state."""
+        k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
+        n, H, cap, D = k.shape
+        m = idx.shape[-1]
+        # the kept slots of every (row, head) as rows of a [n * H_kv * cap, D] view: one index_select moves whole
+        # D-vectors (a gather with an expanded index moves them a float at a time, ~8x slower on CPU)
+        flat = (idx + torch.arange(n * H, device=idx.device).view(n, H, 1) * cap).view(-1)  # [n * H_kv * m]
+        # note: index_select reads everything before the write-back, so overlapping ranges are safe
+        k[:, :, :m] = k.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
+        v[:, :, :m] = v.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
+        pos[:, :, :m] = pos[:, :, :S].gather(2, idx)
+        for side in self.side.values():
+            side[layer, rows, :, :m] = side[layer, rows, :, :S].gather(2, idx)
 
     def evict_per_head(self, rows: slice, scores: list[Tensor], protected: list[Tensor], keep: list[Tensor], span: int):
         """evict with budgets that differ per head: head h of a layer keeps its own keep[layer][b, h] best slots, in
@@ -191,8 +199,8 @@ class KVCache:
         S = self.length[rows.start]
         self.holes = True
         for layer, (s, p, kh) in enumerate(zip(scores, protected, keep)):
-            k, v, pos = self.k[layer, rows], self.v[layer, rows], self.pos[layer, rows]  # [n, H_kv, cap(, D)]
-            n, H, cap, D = k.shape
+            pos = self.pos[layer, rows]  # [n, H_kv, cap]
+            n, H = pos.shape[:2]
             s = s.float().nan_to_num(nan=-float("inf")).expand(n, H, S).masked_fill(p, float("inf"))
             s = s.masked_fill(pos[:, :, :S] == FREE, -float("inf"))  # a free slot is never kept
             m = int(kh.max())
@@ -203,13 +211,8 @@ class KVCache:
             late = torch.arange(m, device=top.device) >= kh[..., None]
             idx = top.masked_fill(late, S).sort(dim=-1).values  # [n, H_kv, m]
             held = idx < S
-            idx = idx.clamp(max=S - 1)
-            flat = (idx + torch.arange(n * H, device=idx.device).view(n, H, 1) * cap).view(-1)  # as in evict
-            k[:, :, :m] = k.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
-            v[:, :, :m] = v.reshape(n * H * cap, D).index_select(0, flat).view(n, H, m, D)
-            pos[:, :, :m] = pos[:, :, :S].gather(2, idx).masked_fill(~held, FREE)
+            self.move(layer, rows, idx.clamp(max=S - 1), S)
+            pos[:, :, :m].masked_fill_(~held, FREE)
             pos[:, :, m : max(S, span)] = FREE
-            for side in self.side.values():
-                side[layer, rows, :, :m] = side[layer, rows, :, :S].gather(2, idx)
         for b in range(rows.start, rows.stop):
             self.length[b] = span

@@ -13,8 +13,8 @@ with the next problem, and keeps each problem's outcome. Left out: sampling / pa
 
 Laid out top to bottom: the sweep's shared state (the model, the cached traces); the measurements, one function
 per subcommand, each mapping a job to its row's fields; the driver (jobs, their keys and costs, checks before the
-first job); the CLI. Beside it: traces.py (the packed conversations, replay, compare), probes.py (recall probes and per-head
-measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result files).
+first job); the CLI. Beside it: traces.py (the packed conversations, replay, compare), probes.py (recall probes and
+per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result files).
 """
 
 import argparse
@@ -116,7 +116,8 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     dtype the model computed them in (bf16: half of fp32, and exact), memory-mapped back. A sweep that saves to --out
     keeps them under $NANOKV_HOME/refs, named by the trace and the model's settings, so that a killed sweep's rerun
     does not replay the full cache again (12 long traces: 14 GB, 12 replays); they go when its command has finished
-    every job (main), unless --keep-refs keeps them for the next sweep. Without --out, in a temporary folder that goes with the sweep."""
+    every job (main), unless --keep-refs keeps them for the next sweep. Without --out, in a temporary folder that goes
+    with the sweep."""
     path = reference_path(args, lab, tr)
     if not path.exists():
         model, _ = model_of(args, lab)
@@ -177,9 +178,10 @@ def accuracy(args, job: dict, lab: dict) -> dict:
 
     def finish(i: int, prompt: list[int], ids: list[int], rounds: int, kept: float):
         text, stop, pred = answer_of(tok, ids, rows[i]["answer"], prompt)
-        th = tok.thought(prompt, ids)  # a thinking model's rows say how long it thought, and if it stopped
-        think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens,
-                 "think_closed": th.closed} if tok.thinks else {}
+        think = {}
+        if tok.thinks:  # a thinking model's rows say how long it thought, and if it stopped
+            th = tok.thought(prompt, ids)
+            think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens, "think_closed": th.closed}
         done.append({"i": i, "correct": is_correct(pred, rows[i]["answer"]), "answered": pred is not None,
                      "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                      "evictions": rounds, "kept": kept, "pred": pred, **think,
@@ -421,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then `eval.py merge --out FILE`")
     shared = Parser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
-                        "chat template switch (Qwen3's enable_thinking), in the rows' key when given; answers are graded after "
-                        "</think> (default: the template's own; --no-thinking is refused where the template has no "
+                        "chat template switch (Qwen3's enable_thinking), in the rows' key when given; answers are "
+                        "graded after </think> (default: the template's own; --no-thinking is refused where the template has no "
                         "switch, as R1 distills', either flag where it writes no <think>)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")

@@ -123,12 +123,13 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     if stats_file and not Path(stats_file).is_file():
         raise UsageError(f"--triattention-stats {stats_file}: no such file (make one with the authors' "
                          "scripts/calibrate.py, or drop the flag: nanokv then calibrates itself)")
-    return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [], stats_file=stats_file)
+    return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [],
+               stats_file=stats_file)
 
 
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
     """A cache for each row of the request (or `batch` rows that its rows take turns in, generate_refill) and
-    n_tokens per row: budget + buffer slots when evicting, else all."""
+    n_tokens per row: span + buffer slots when evicting (span: K, or a per-head policy's budgets.head_cap), else all."""
     run.span = run.budget
     if run.policy.per_head and run.budget is not None:  # after a round, the row spans what its fullest head may keep
         run.span = budgets.head_cap(model.cfg.num_key_value_heads, run.budget - run.buffer) + run.buffer
@@ -159,7 +160,8 @@ def seed_of(*parts: int) -> int:
 
 def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     """Score every layer of batch rows b .. b + n - 1 together, then evict every layer of them back to the budget.
-    The rows are all due (each holds budget + buffer slots), and all in their first round or all past it."""
+    The rows are all due (each holds run.due(row) slots: budget + buffer, or span + buffer once per-head), and all in
+    their first round or all past it."""
     rows = cache.rows[b : b + n]  # their indices in the request: draws and state follow them, not their batch slots
     if run.watch:
         for i in range(b, b + n):
@@ -208,7 +210,7 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
 
 
 def evict_due(model, cache: KVCache, run: Run):
-    """Evict every row that holds budget + buffer slots. Neighbouring rows due in the same step are scored together,
+    """Evict every row that holds run.due(row) slots. Neighbouring rows due in the same step are scored together,
     one scorer call per layer for all of them: a decode step of 16 rows of the same length would otherwise pay
     the per-call overhead 16 times. A run of neighbours splits where first rounds meet later ones (`fresh`)."""
     due = [run.budget is not None and length == run.due(row) for length, row in zip(cache.length, cache.rows)]
@@ -224,7 +226,7 @@ def evict_due(model, cache: KVCache, run: Run):
 def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = None,
          all_logits: bool = False) -> Tensor:
     """Run tokens [B, T] through the model, row b taking its first n[b] (default all T), in chunks that fit the
-    cache and end where a row's eviction is due; each row evicts when it holds budget + buffer slots.
+    cache and end where a row's eviction is due; each row evicts when it holds run.due(row) slots.
     Returns every position's logits [B, T, V] (all_logits), else each row's last real position's [B, 1, V]."""
     B, T = tokens.shape
     n, done = ([T] * B if n is None else list(n)), [0] * B

@@ -28,7 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
 from quant import quantize, unpack_nibbles
-from weights import SIDE, source_digest
+from weights import SAMPLED_ROWS, SIDE, source_digest
 
 # -----------------------------------------------------------------------------
 # RoPE
@@ -340,8 +340,8 @@ FLOAT_DTYPES = ("F32", "F64", "F16", "BF16")  # safetensors' names for the dtype
 
 def garbled(name: str, missing: list[str]) -> str | None:
     """Whether an unknown tensor name is a damaged copy of an expected one: the missing name of the same length that
-    differs from it in the fewest characters (at most 4, or a third of the name), or "" for a name with bytes no tensor name holds; None for
-    a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
+    differs from it in the fewest characters (at most 4, or a third of the name), or "" for a name with bytes no tensor
+    name holds; None for a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
     near = [(sum(a != b for a, b in zip(m, name)), m) for m in missing if len(m) == len(name)]
     if near and min(near)[0] <= max(4, len(name) // 3):  # a few bytes overwritten in place (a run of 8 too)
         return min(near)[1]
@@ -441,7 +441,7 @@ class Checkpoint:
     def check_side(self):
         """Refuse 4-bit blocks made beside other weights than this directory's model.safetensors (replaced or edited
         since): --quant int4 would run the old model's numbers, silently. The side file records its source's
-        fingerprint; one made before that field is checked by its content instead: 8 rows of each kept matrix,
+        fingerprint; one made before that field is checked by its content instead: SAMPLED_ROWS rows of each kept matrix,
         q * scale + offset, must be the fp32 file's values (weights.convert writes them so, bit for bit)."""
         fp32 = self.path / "model.safetensors"
         if not self.kept:
@@ -461,7 +461,7 @@ class Checkpoint:
         n, inp = self.shape(name)
         if self.entries[f"{name}.q"]["shape"] != [n, inp // 2]:
             return False
-        for r in sorted({round(i * (n - 1) / 7) for i in range(8)}):
+        for r in sorted({round(i * (n - 1) / (SAMPLED_ROWS - 1)) for i in range(SAMPLED_ROWS)}):  # as source_digest
             q, scale, offset = (self.rows(f"{name}.{part}", r, r + 1) for part in ("q", "scale", "offset"))
             made = unpack_nibbles(q).float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
             if not torch.allclose(made, self.rows(name, r, r + 1).float(), rtol=1e-6, atol=1e-7):

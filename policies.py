@@ -14,7 +14,8 @@ RoPE's frequencies, has a file of its own (triattention.py).
 
 Laid out top to bottom: ScoreCtx; shared helpers; the scorers that read attention (streaming's positions aside:
 snapkv, h2o and the per-step observers Scissorhands and RaaS share, rkv, random); values (vase, the CurDKV leverage,
-criticalkv; adakv and criticalkv-ada, whose heads get their own budgets from budgets.py); the residual stream and K/V spread (epikv, epikv-lag, lagkv); the registry.
+criticalkv; adakv and criticalkv-ada, whose heads get their own budgets from budgets.py); the residual stream and K/V
+spread (epikv, epikv-lag, lagkv); the registry.
 """
 
 import math
@@ -42,7 +43,7 @@ class ScoreCtx:
     must score as it would alone: per-row draws (see draw), no op that mixes rows."""
 
     layer: int
-    keys: Tensor  # [B, H_kv, S, D] post-RoPE; S = K + r
+    keys: Tensor  # [B, H_kv, S, D] post-RoPE; S = K + r (a per-head policy past its first round: span + r)
     values: Tensor  # [B, H_kv, S, D]
     pos: Tensor  # [B, H_kv, S] original token position of each slot
     protected: Tensor  # [B, H_kv, S] bool: slots cache.evict will keep whatever we say (prompt/sinks, recent)

@@ -10,6 +10,9 @@ FILE. Every write goes to a temporary file that is then renamed over the target:
 failed write (full disk, size limit) leaves what was written before. Left out: a scheduler of our own (a Slurm array,
 tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machines (flock is local: share one --out on
 one machine only; two merges at once on one machine are safe: the second finds the shards taken).
+
+Laid out top to bottom: keys (digest, model_key, labels); reading rows (checks, packed text, JSON files); the tools'
+reading and pairing (tool_rows, one_setting); writing (atomic writes, locks, Progress); shards, run_jobs and merge.
 """
 
 import argparse

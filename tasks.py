@@ -138,7 +138,8 @@ def is_correct(pred: str | None, answer: str) -> bool:
 def math_equal(pred: str, answer: str) -> bool:
     """math-verify's verdict on two LaTeX answers, gold first (its comparison is not symmetric: a gold interval or set
     decides how the prediction is read). e.g. '52' = '52_8' (a base given as asked), '7i - 2' = '-2 + 7i',
-    '\\frac{1}{\\tan x}' = '\\cot x', '\\sqrt{117}' = '3\\sqrt{13}', 'x = 5' = '5'; '53' != '52_8', '[1,2)' != '[1,2]'."""
+    '\\frac{1}{\\tan x}' = '\\cot x', '\\sqrt{117}' = '3\\sqrt{13}', 'x = 5' = '5'; '53' != '52_8',
+    '[1,2)' != '[1,2]'."""
     # note: its time limits use signal.alarm, which only the main thread may set; elsewhere we run without one
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     gold = mv_parse(f"${answer}$", parsing_timeout=limit)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from cache import KVCache
 from config import ModelError
 
 CAL_TOKENS = 4096  # calibration length: the authors allow <= 32k; 4k tokens of MATH-500 keep it near a minute on a CPU
@@ -67,7 +68,6 @@ def calibrate(model, ids: list[int]) -> FreqStats:
     """One pass of ids through the model (chunks of CAL_CHUNK, a full cache): per layer and query head, the complex
     mean and mean modulus of each frequency of the pre-RoPE queries, as the authors' scripts/calibrate.py computes them.
     The model hands back post-RoPE queries; we un-rotate them by their positions (and RoPE's attention scaling)."""
-    from cache import KVCache  # below policies in the layering; only the calibration needs a cache of its own
 
     cfg, dev = model.cfg, model.device
     L, H_q, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim

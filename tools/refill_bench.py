@@ -113,7 +113,7 @@ def rows_main(argv: list[str]):
                 dec[b][2] = bench.greedy(model, cache, run, logits, k)
                 took[b] += time.perf_counter() - t0
     ms = {b: took[b] / (turns * k) * 1e3 for b in sizes}
-    n, mx, my = len(sizes), sum(sizes) / len(sizes), sum(ms.values()) / len(sizes)
+    mx, my = sum(sizes) / len(sizes), sum(ms.values()) / len(sizes)
     slope = sum((b - mx) * (ms[b] - my) for b in sizes) / sum((b - mx) ** 2 for b in sizes)
     a = my - slope * mx
     info = cpu_info()
