@@ -39,7 +39,8 @@ from cache import FREE, KVCache
 from cli import (Parser, UsageError, add_device_args, check_output, distinct_outputs, load, local_model, note,
                  output_failed, peak_memory_mb, write_output)
 from model import ModelError
-from policies import N_SINK, POLICIES, Policy, ScoreCtx
+from policies import POLICIES, Policy
+from scoring import N_SINK, ScoreCtx
 
 DEFAULT_PROMPT = ("Describe the water cycle step by step, from evaporation to precipitation. "
                   "What is the main source of heat that drives it?")
@@ -176,7 +177,8 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
         pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, r, below, run.buffer)
-        gens = [torch.Generator(dev).manual_seed(seed_of(run.seed, run.ids[row], layer, run.rounds[row]))
+        gens = [torch.Generator(dev).manual_seed(seed_of(run.seed, run.ids[row], layer,
+                                                         run.rounds[row] if run.policy.redraw else 0))
                 for row in rows]  # one per row: its draws do not depend on the rows scored beside it
         ctx = ScoreCtx(layer=layer, keys=cache.k[layer, r, :, :S], values=cache.v[layer, r, :, :S], pos=pos,
                        protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],

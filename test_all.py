@@ -33,9 +33,13 @@ import generate as G
 import kernels
 import model as M
 import policies as P
+import policies_attention as PA
+import policies_residual as PR
+import policies_values as PV
 import plot
 import probes
 import results as R
+import scoring as SC
 import stats
 import tasks as T
 import traces
@@ -621,7 +625,7 @@ def ctx_for(S=24, B=1, H_kv=2, n_rep=2, D=8, seed=0, budget=12, buffer=4, prompt
             "vnorm": torch.zeros(B, H_kv, S)}
     g2 = torch.Generator().manual_seed(seed + 1)  # issue 51's side state, drawn apart so that g's draws stay as they were
     side |= {n: torch.rand(B, H_kv, S, generator=g2) for n in ("sh_hits", "sh_seen", "raas")}
-    return P.ScoreCtx(
+    return SC.ScoreCtx(
         layer=0, keys=k, values=v, pos=pos, protected=protected,
         queries=(qscale * torch.randn(B, H_kv * n_rep, w, D, generator=g)).to(dtype),
         q_pos=torch.arange(S - w, S).expand(B, w), wo=torch.randn(16, H_kv * n_rep * D, generator=g).to(dtype),
@@ -660,7 +664,7 @@ def test_snapkv_matches_authors_loop():
     """snapkv = SnapKV/kvpress's vote written as loops: softmax over all keys, window columns dropped *before* the
     pool, edge zero-padded; the buffer itself scores 0 (cache.evict keeps it anyway)."""
     ctx = ctx_for()
-    got = P.snapkv(ctx)[0]
+    got = PA.snapkv(ctx)[0]
     torch.testing.assert_close(got[:, :20], torch.tensor(loop_vote(ctx)), **TOL)
     assert (got[:, 20:] == 0).all()
 
@@ -671,8 +675,8 @@ def test_snapkv_last_candidate_ignores_the_buffer():
     ctx = ctx_for(S=12, H_kv=1, n_rep=1, buffer=4, prompt=0)
     ctx.queries[:] = ctx.queries[0, 0, 0]  # one query direction, and the buffer's keys align with it
     ctx.keys[0, 0, 8:] = 10 * ctx.queries[0, 0, 0]
-    a = P.snapkv(ctx)[0, 0]
-    attn = P.window_attention(ctx)[0, 0]  # [S] before dropping and pooling
+    a = PA.snapkv(ctx)[0, 0]
+    attn = SC.window_attention(ctx)[0, 0]  # [S] before dropping and pooling
     assert attn[8:].sum() > 0.99 and a[7] < 1e-3
     torch.testing.assert_close(a[7], (attn[5] + attn[6] + attn[7]) / 5, **TOL)
 
@@ -705,19 +709,19 @@ def test_criticalkv_stage1_counts():
     0 at K = 128 and 64 at K = 256 (r = 64), as kvpress's CriticalKVPress."""
     for K, want in ((128, 0), (256, 64)):
         ctx = ctx_for(S=K + 64, budget=K, buffer=64, prompt=4, w=8)
-        assert int((P.criticalkv(ctx) == P.BIG).sum(-1).min()) == want
+        assert int((PV.criticalkv(ctx) == SC.BIG).sum(-1).min()) == want
 
 
 def test_criticalkv_stage2_formula():
     """criticalkv: the rest score (s + 1e-4) * ||V_h W_O,h||_1, each query head through its own slice of o_proj."""
     ctx = ctx_for(S=40, budget=24, buffer=4)
-    scores, s = P.criticalkv(ctx), P.snapkv(ctx)
+    scores, s = PV.criticalkv(ctx), PA.snapkv(ctx)
     wo = ctx.wo.view(16, 4, 8)  # [hidden, H_q, D]
     direct = torch.zeros(1, 2, 40)
     for h in range(4):  # each query head projects its KV head's values through its own W_O slice
         direct[:, h // 2] += (ctx.values[:, h // 2] @ wo[:, h].T).abs().sum(-1) / 2
-    assert (scores == P.BIG).sum(-1).min() == 12 - 4  # int(0.5 * 24) - r
-    rest = scores != P.BIG
+    assert (scores == SC.BIG).sum(-1).min() == 12 - 4  # int(0.5 * 24) - r
+    rest = scores != SC.BIG
     torch.testing.assert_close(scores[rest], ((s + 1e-4) * direct)[rest], **TOL)
 
 
@@ -727,7 +731,7 @@ def test_rkv_attention_max_of_group_logits():
     rank the candidates differently, so the test can tell the two apart."""
     ctx = ctx_for(S=30, H_kv=1, n_rep=2, budget=14, buffer=8, prompt=0, w=8, seed=3)
     ctx.queries[0, 0] *= 4  # head 0 sharp, head 1 flat: max-of-logits follows head 0
-    got = P.rkv(ctx, lam=1.0)[0, 0]
+    got = PA.rkv(ctx, lam=1.0)[0, 0]
     n, D = 22, 8
     attn = [0.0] * n
     for w in range(8):
@@ -736,7 +740,7 @@ def test_rkv_attention_max_of_group_logits():
         attn = [a + math.exp(x) / z / 8 for a, x in zip(attn, logit)]
     pooled = [max(attn[j] for j in range(i - 3, i + 4) if 0 <= j < n) for i in range(n)]
     torch.testing.assert_close(got[:n], torch.tensor(pooled), **TOL)
-    mean_soft = P.group_mean(P.window_attention(ctx, n_keys=n), 2)[0, 0]
+    mean_soft = SC.group_mean(SC.window_attention(ctx, n_keys=n), 2)[0, 0]
     assert mean_soft.argsort()[-5:].tolist() != torch.tensor(attn).argsort()[-5:].tolist()
 
 
@@ -746,7 +750,7 @@ def test_rkv_redundancy_spares_the_newest_copy():
     k = torch.eye(8).repeat(2, 1)[:12].clone()
     k[1] = k[3] = k[4] = torch.ones(8)  # positions 1, 3, 4 repeat one key
     ctx.keys = k.view(1, 1, 12, 8)
-    s = P.rkv(ctx, lam=0.0)  # redundancy alone
+    s = PA.rkv(ctx, lam=0.0)  # redundancy alone
     assert s[0, 0, 4] > s[0, 0, 3] and s[0, 0, 4] > s[0, 0, 1]
 
 
@@ -757,11 +761,11 @@ def test_vase_rows_with_their_own_reserve_score_as_alone():
     ctx.values = ctx.values.mul(2).round()  # integer values: many equal ranges
     ctx.protected = ctx.protected.clone()
     ctx.protected[0, :, :6], ctx.protected[1, :, :2] = True, True  # N_v = 10 - 4 and 10 - 2
-    together = P.vase(ctx, sample=False)
+    together = PV.vase(ctx, sample=False)
     for b in range(2):
         alone = dataclasses.replace(ctx, **{k: getattr(ctx, k)[b : b + 1] for k in
                                            ("keys", "values", "pos", "protected", "queries", "q_pos")})
-        assert torch.equal(together[b : b + 1], P.vase(alone, sample=False))
+        assert torch.equal(together[b : b + 1], PV.vase(alone, sample=False))
 
 
 def test_rkv_redundancy_as_rkv_code_loops():
@@ -773,7 +777,7 @@ def test_rkv_redundancy_as_rkv_code_loops():
     ctx.keys[0, :, 5] = ctx.keys[0, :, 2] + 0.1  # look-alikes at 2, 5 and 9 in both heads
     ctx.keys[0, :, 9] = ctx.keys[0, :, 2] * 2
     ctx.keys[0, 1, 0] = -ctx.keys[0, 1, 1:].sum(0)  # head 1: key 0 unlike the rest
-    got = -P.rkv(ctx, lam=0.0)[0]  # lam * attention - (1 - lam) * redundancy, lam = 0
+    got = -PA.rkv(ctx, lam=0.0)[0]  # lam * attention - (1 - lam) * redundancy, lam = 0
     for h in range(2):
         k = torch.nn.functional.normalize(ctx.keys[0, h].double(), dim=-1)
         sim = (k @ k.T).tolist()
@@ -789,11 +793,11 @@ def test_vase_reserve_holds_the_sinks():
     """vase: N_v = K/4 counts the 4 protected sinks, so K/4 - 4 unprotected widest-range values are reserved, and
     they are the top of the range among the candidates."""
     ctx = ctx_for(S=40, budget=32, buffer=8, prompt=4)
-    s = P.vase(ctx)
+    s = PV.vase(ctx)
     v = ctx.values
     rng = (v.amax(-1) - v.amin(-1)).masked_fill(ctx.protected, -1)
     for h in range(2):
-        reserved = (s[0, h] == P.BIG).nonzero()[:, 0]
+        reserved = (s[0, h] == SC.BIG).nonzero()[:, 0]
         assert sorted(reserved.tolist()) == sorted(rng[0, h].topk(32 // 4 - 4).indices.tolist())
 
 
@@ -809,8 +813,8 @@ def test_vase_reserve_with_a_protected_prompt():
         vase, adversary = P.POLICIES["vase-topk"].score(mk()), P.POLICIES["vase-adversary"].score(mk())
         for h in range(2):
             widest = rng[0, h].topk(4).indices.tolist()
-            assert sorted((vase[0, h] == P.BIG).nonzero()[:, 0].tolist()) == sorted(widest[:keep])
-            assert sorted((adversary[0, h] == -P.BIG).nonzero()[:, 0].tolist()) == sorted(widest)
+            assert sorted((vase[0, h] == SC.BIG).nonzero()[:, 0].tolist()) == sorted(widest[:keep])
+            assert sorted((adversary[0, h] == -SC.BIG).nonzero()[:, 0].tolist()) == sorted(widest)
 
 
 def test_vase_weights_over_candidates_only():
@@ -819,7 +823,7 @@ def test_vase_weights_over_candidates_only():
     ctx = ctx_for(S=30, budget=16, buffer=6, prompt=0)
     got = P.POLICIES["vase-topk"].score(ctx)[0]
     ref = torch.tensor(loop_vote(ctx, over_candidates_only=True))
-    keep = got[:, :24] != P.BIG
+    keep = got[:, :24] != SC.BIG
     torch.testing.assert_close(got[:, :24][keep], ref[keep], **TOL)
 
 
@@ -827,24 +831,24 @@ def test_vase_ablations_differ_in_one_knob():
     """With the same generator: vase-topk keeps vase's reserve; vase-noreserve samples like vase (same draws) without
     the reserve; vase-adversary pushes exactly that reserve to the bottom and ranks the rest by snapkv."""
     mk = lambda: ctx_for(S=40, budget=32, buffer=8, prompt=4, rnd=5)
-    vase, topk = P.vase(mk()), P.POLICIES["vase-topk"].score(mk())
+    vase, topk = PV.vase(mk()), P.POLICIES["vase-topk"].score(mk())
     noreserve, adversary = P.POLICIES["vase-noreserve"].score(mk()), P.POLICIES["vase-adversary"].score(mk())
-    reserve = vase == P.BIG
-    assert reserve.sum() == 2 * 4 and torch.equal(topk == P.BIG, reserve)
-    assert torch.equal(noreserve[~reserve], vase[~reserve]) and (noreserve != P.BIG).all()
-    assert torch.equal(adversary == -P.BIG, reserve)
-    torch.testing.assert_close(adversary[~reserve], P.snapkv(mk())[~reserve])
+    reserve = vase == SC.BIG
+    assert reserve.sum() == 2 * 4 and torch.equal(topk == SC.BIG, reserve)
+    assert torch.equal(noreserve[~reserve], vase[~reserve]) and (noreserve != SC.BIG).all()
+    assert torch.equal(adversary == -SC.BIG, reserve)
+    torch.testing.assert_close(adversary[~reserve], PA.snapkv(mk())[~reserve])
 
 
 def test_vase_samples_by_attention():
     """vase: the sample changes with the seed, and heavier attention is kept more often over many draws."""
     mk = lambda r=0: ctx_for(S=40, budget=20, buffer=4, prompt=0, rnd=r, qscale=3.0)  # peaked attention
-    keep = lambda c: c.keys.new_zeros(1, 2, 40).scatter_(-1, P.vase(c).topk(20 - 4, -1).indices, 1)
+    keep = lambda c: c.keys.new_zeros(1, 2, 40).scatter_(-1, PV.vase(c).topk(20 - 4, -1).indices, 1)
     kept = torch.stack([keep(mk(r)) for r in range(300)])
     assert not torch.equal(kept[0], kept[1])
     ctx = mk()
-    attn, freq = P.candidate_attention(ctx)[0, 0, :36], kept[:, 0, 0, :36].mean(0)
-    free = P.vase(ctx)[0, 0, :36] != P.BIG  # not reserved
+    attn, freq = PV.candidate_attention(ctx)[0, 0, :36], kept[:, 0, 0, :36].mean(0)
+    free = PV.vase(ctx)[0, 0, :36] != SC.BIG  # not reserved
     a, f = attn[free], freq[free]
     order = a.argsort()  # the heavier half is kept more often than the lighter half
     assert f[order[len(order) // 2 :]].mean() > f[order[: len(order) // 2]].mean() + 0.1
@@ -852,7 +856,7 @@ def test_vase_samples_by_attention():
 
 def test_vase_dkv_redraws_sketch_each_round():
     """vase-dkv: a new G each eviction round, so two rounds on the same tensors pick differently."""
-    a, b = P.vase_dkv(ctx_for(rnd=0)), P.vase_dkv(ctx_for(rnd=1))
+    a, b = PV.vase_dkv(ctx_for(rnd=0)), PV.vase_dkv(ctx_for(rnd=1))
     assert not torch.equal(a.topk(6, -1).indices, b.topk(6, -1).indices)
 
 
@@ -864,10 +868,10 @@ def test_random_is_seeded_and_per_head():
 
 def test_rolling_z_hand_worked():
     """EPIKV's rolling z: window [1, 3, 5] -> (5 - 3) / 1.633 = 1.2247; fewer than 2 values -> 0; window slides."""
-    z = P.rolling_z(torch.tensor([1.0, 3.0]), torch.tensor([5.0]))
+    z = PR.rolling_z(torch.tensor([1.0, 3.0]), torch.tensor([5.0]))
     torch.testing.assert_close(z, torch.tensor([1.2247]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(P.rolling_z(torch.zeros(0), torch.tensor([4.0, 6.0])), torch.tensor([0.0, 1.0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(P.rolling_z(torch.tensor([100.0, 1.0]), torch.tensor([3.0]), window=2), torch.tensor([1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(PR.rolling_z(torch.zeros(0), torch.tensor([4.0, 6.0])), torch.tensor([0.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(PR.rolling_z(torch.tensor([100.0, 1.0]), torch.tensor([3.0]), window=2), torch.tensor([1.0]), atol=1e-5, rtol=0)
 
 
 def test_epikv_lag_hand_worked():
@@ -877,7 +881,7 @@ def test_epikv_lag_hand_worked():
     kv = torch.stack([layer0, torch.zeros(4, 2)]).view(2, 1, 1, 4, 2)  # layer mean = layer0 / 2
     ctx = ctx_for()
     ctx.all_kv = (kv, kv)
-    got = P.epikv_lag(ctx, chunk=2)[0, 0]
+    got = PV.epikv_lag(ctx, chunk=2)[0, 0]
     # mean over layers: [0, 2], [2, 4], [1, 3], [2, 2]. chunk 1 raw: std([0, 2]) = std([2, 4]) = sqrt(2).
     # chunk 2 by chunk 1's min [0, 2], range [2, 2]: [0.5, 0.5] -> 0, [1, 0] -> sqrt(0.5). K and V equal: doubled.
     torch.testing.assert_close(got, 2 * torch.tensor([2**0.5, 2**0.5, 0.0, 0.5**0.5]), atol=1e-5, rtol=0)
@@ -934,7 +938,7 @@ def epikv_by_hand(model, ids, prompt_len, weights, window=64):
     cache = G.make_cache(model, G.make_run("full", None, 8, None, 1), len(ids))
     with torch.inference_mode():
         hidden = model(torch.tensor([ids]), cache, collect=True).hidden  # per layer [1, T, hidden]
-    A, B = P.epikv_bands(len(hidden), weights != (1.0, 1.0))
+    A, B = PR.epikv_bands(len(hidden), weights != (1.0, 1.0))
     g = lambda band, t: sum((hidden[l][0, t] - hidden[l][0, t - 1]).norm().item() for l in band) / len(band)
     hist, out = {0: [], 1: []}, []
     for t in range(len(ids)):
@@ -3042,7 +3046,7 @@ def test_recording_last_round_is_the_final_cache(recorded, tiny):
         kept = r.scores.masked_fill(~(cand & r.kept), math.inf).amin(-1)
         gone = r.scores.masked_fill(~(cand & ~r.kept), -math.inf).amax(-1)
         assert (kept >= gone).all()  # top-k: no evicted candidate outscored a kept one
-        assert ((r.scores >= P.BIG) & r.kept).sum(-1).eq(24 // 4 - 4).all()
+        assert ((r.scores >= SC.BIG) & r.kept).sum(-1).eq(24 // 4 - 4).all()
         assert (r.kept.sum(-1) == 24).all() and r.kept[..., :4].all()  # the budget, the sinks
 
 
@@ -3153,7 +3157,7 @@ def test_viewer_state_from_the_hash_matches_the_recording(recorded, tiny, tmp_pa
         assert len(cells) == len(prompt) + len(ids)
         assert [c in "kvpbn" for c in cells[:fed]] == want[layer, h].tolist() and set(cells[fed:]) <= {"f"}
         marks = {p for p, c in enumerate(cells) if c == "v"}
-        assert marks == set(((last.scores[layer, h] >= P.BIG) & last.kept[layer, h]).nonzero()[:, 0].tolist())
+        assert marks == set(((last.scores[layer, h] >= SC.BIG) & last.kept[layer, h]).nonzero()[:, 0].tolist())
         now = len(prompt) + step  # positions fed by this step
         assert len(marks) == 2 and dom.rows[(1, h)] == ["n"] * now + ["f"] * (len(cells) - now)  # the full cache
     n = len(prompt) + len(ids)  # spans per run: the vase run's, then the full cache's
@@ -4579,7 +4583,7 @@ def test_viewer_states_cut_offs_axis_and_exports(recorded, tiny, tmp_path):
                                                                          n - run.buffer)) - now
     cut = viewer.cut_off(r, protect, run.buffer)  # [L, H_kv]
     for h in range(tiny.cfg.num_key_value_heads):
-        ranked = ~r.scores[layer, h].isnan() & (r.scores[layer, h] < P.BIG)
+        ranked = ~r.scores[layer, h].isnan() & (r.scores[layer, h] < SC.BIG)
         ranked[:protect] = ranked[r.at - run.buffer :] = False
         assert cut[layer, h] == r.scores[layer, h][ranked & r.kept[layer, h]].min()
         assert (r.scores[layer, h][ranked & ~r.kept[layer, h]] <= cut[layer, h]).all()
@@ -5008,7 +5012,7 @@ def jaccard_masks(a: Tensor, b: Tensor) -> float:
 
 def kept_candidates(scores: Tensor, protected: Tensor, keep: int) -> Tensor:
     """Bool mask of the `keep` best candidates per head, as cache.evict chooses them (protected slots aside)."""
-    return P.top_candidates(scores.float().expand(protected.shape), protected, keep)
+    return SC.top_candidates(scores.float().expand(protected.shape), protected, keep)
 
 
 def authors_rotate_half(x):
@@ -5080,7 +5084,7 @@ def tri_ctx(model, cache, stats, layer, prompt, buffer, budget):
     S = cache.length[0]
     pos = cache.pos[layer, :, :, :S]
     protected = (pos < prompt) | (torch.arange(S) >= S - buffer)
-    return P.ScoreCtx(layer=layer, keys=cache.k[layer, :, :, :S], values=cache.v[layer, :, :, :S], pos=pos,
+    return SC.ScoreCtx(layer=layer, keys=cache.k[layer, :, :, :S], values=cache.v[layer, :, :, :S], pos=pos,
                       protected=protected, queries=cache.q_ring[layer], q_pos=cache.q_pos, wo=None, side={},
                       all_kv=(cache.k[:, :, :, :S], cache.v[:, :, :, :S]), cfg=model.cfg, budget=budget,
                       buffer=buffer, generators=[], fresh=0, memo={}, stats=stats)
@@ -5200,7 +5204,7 @@ def test_curdkv_matches_kvpress_curpress():
     ctx = ctx_for(S=41, B=2, budget=25, buffer=4, prompt=4)
     ref = authors_curpress(ctx.keys, ctx.values)
     keep = 25 - 4 - 4
-    assert jaccard_masks(kept_candidates(P.curdkv(ctx), ctx.protected, keep),
+    assert jaccard_masks(kept_candidates(PV.curdkv(ctx), ctx.protected, keep),
                    kept_candidates(ref, ctx.protected, keep)) == 1.0
 
 
@@ -5210,12 +5214,34 @@ def test_curdkv_and_vase_dkv_share_one_leverage():
     kvpress's 16-slot windows. With its sketch replaced by the identity, vase-dkv is curdkv without windows."""
     ctx = ctx_for(S=40, B=2)
     G_ = torch.stack([torch.randn(8, 20, generator=torch.Generator().manual_seed(100 + b)) for b in range(2)]) / 20**0.5
-    assert torch.equal(P.vase_dkv(ctx), P.cur_leverage(ctx.keys, G_) * P.cur_leverage(ctx.values, G_))
-    torch.testing.assert_close(P.curdkv(ctx), P.cur_leverage(ctx.keys, window=16) * P.cur_leverage(ctx.values, window=16))
+    assert torch.equal(PV.vase_dkv(ctx), PV.cur_leverage(ctx.keys, G_) * PV.cur_leverage(ctx.values, G_))
+    torch.testing.assert_close(PV.curdkv(ctx), PV.cur_leverage(ctx.keys, window=16) * PV.cur_leverage(ctx.values, window=16))
     eye = torch.eye(8).expand(2, 8, 8)
-    torch.testing.assert_close(P.cur_leverage(ctx.keys, eye) * P.cur_leverage(ctx.values, eye), P.curdkv(ctx, window=0))
-    assert not torch.equal(P.vase_dkv(ctx), P.vase_dkv(dataclasses.replace(ctx, generators=[
+    torch.testing.assert_close(PV.cur_leverage(ctx.keys, eye) * PV.cur_leverage(ctx.values, eye), PV.curdkv(ctx, window=0))
+    assert not torch.equal(PV.vase_dkv(ctx), PV.vase_dkv(dataclasses.replace(ctx, generators=[
         torch.Generator().manual_seed(7 + b) for b in range(2)])))  # a new round draws a new sketch
+
+
+def test_curdkv_fixed_and_vase_dkv_differ_only_in_the_draw(tiny):
+    """VASE's claim is about its draw: curdkv-fixed (VASE's cur_fixed_gauss control) is vase-dkv's scorer with one
+    sketch per row and layer for the whole request, vase-dkv draws a new one every round. On the tiny model (greedy,
+    K = 24, r = 8): their first rounds score alike, bit for bit; curdkv-fixed's later rounds reuse the first round's
+    sketch, vase-dkv's do not; and what they generate parts once the sketches differ."""
+    def scored(name):
+        seen, run = [], G.make_run(name, 24, 8, None, 10, seed=5)
+        policy = run.policy
+        run.policy = dataclasses.replace(policy, score=lambda ctx: seen.append(
+            (ctx.layer, [g.initial_seed() for g in ctx.generators], policy.score(ctx))) or seen[-1][2])
+        out, _, _ = G.generate(tiny, [list(range(3, 13))], run, 80)
+        return seen, out[0]
+    (fixed, a), (fresh, b) = scored("curdkv-fixed"), scored("vase-dkv")
+    layers = 1 + max(l for l, _, _ in fixed)
+    assert len(fixed) == len(fresh) >= 3 * layers  # three rounds at least
+    for (l, seed, s), (l2, seed2, s2) in zip(fixed[:layers], fresh[:layers]):
+        assert seed == seed2 and torch.equal(s, s2)  # round 0: the same sketch, the same scores
+    assert all(seed == fixed[i % layers][1] for i, (_, seed, _) in enumerate(fixed))  # one sketch all request
+    assert len({tuple(seed) for _, seed, _ in fresh[::layers]}) == len(fresh) // layers  # a new one each round
+    assert a != b
 
 
 def authors_lagkv(keys, values, n_sink, lag_size):
@@ -5247,7 +5273,7 @@ def test_lagkv_matches_kvpress_lagkvpress(S):
     ctx = ctx_for(S=S, B=1, budget=36 + S - 60, buffer=4, prompt=4)
     keep = ctx.budget - 8
     ref = authors_lagkv(ctx.keys, ctx.values, 4, 8)
-    assert jaccard_masks(kept_candidates(P.lagkv(ctx, lag=8), ctx.protected, keep),
+    assert jaccard_masks(kept_candidates(PV.lagkv(ctx, lag=8), ctx.protected, keep),
                    kept_candidates(ref, ctx.protected, keep)) == 1.0
 
 

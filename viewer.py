@@ -3,7 +3,7 @@ What the cache kept, drawn: what one layer holds at the end (--show-kept's map, 
 and the --html page, one self-contained file (viewer.html filled with a run's data) that replays every eviction round
 over the answer's own text, per layer and KV head. A Recording takes the rounds from the run itself, through Run.watch
 (the hook eval.kept_share uses): the scores cache.evict ranks, then what each layer and head kept; without one, nothing
-is recorded or paid. Marks come from those scores, so no policy logic is repeated: a score >= policies.BIG means "keep
+is recorded or paid. Marks come from those scores, so no policy logic is repeated: a score >= scoring.BIG means "keep
 before ranking the rest" (VASE's widest-value reserve, CriticalKV's stage 1), and each round's cut-off, the lowest
 score the ranking kept, tells what a score meant there. A model's text is untrusted: it travels as escaped JSON and
 the page sets it as text, never as markup. Left out: other batch rows, the policies' side state.
@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from cache import FREE
-from policies import BIG
+from scoring import BIG
 
 TEMPLATE = Path(__file__).with_name("viewer.html")
-# what a score >= BIG means, in the words of the policies that use it (policies.vase, policies.criticalkv)
+# what a score >= BIG means, in the words of the policies that use it (policies_values.vase, policies_values.criticalkv)
 MARKS = {"vase": "VASE's reserve: the widest value ranges", "vase-topk": "VASE's reserve: the widest value ranges",
          "criticalkv": "CriticalKV's stage 1: SnapKV's top half of the budget",
          "criticalkv-ada": "CriticalAdaKV's safeguard and stage 1: SnapKV's top half of each head's budget"}
