@@ -7,8 +7,9 @@ Two rules, each as its reference code computes it (DESIGN.md §6b):
   n_h the head's share of the layer's pooled top H_kv * n; a blend towards the uniform n.
 - `safeguarded`: kvpress `CriticalAdaKVPress` (the CriticalKV authors' code): every head's top ⌊α n⌋ first, then
   b_h = the head's share of the pooled top H_kv * n; a floor, above which a head keeps what it wins.
-A scorer that gives heads their own budgets sets ScoreCtx.keep (policies_attention.adakv, policies_values.criticalkv_ada); cache.evict
-then keeps keep[b, h] slots in head h, and the cache is sized by head_cap. AdaKV: https://arxiv.org/abs/2407.11550.
+A scorer that gives heads their own budgets sets ScoreCtx.keep (policies_attention.adakv,
+policies_values.criticalkv_ada); cache.evict then keeps keep[b, h] slots in head h, and the cache is sized by
+head_cap. AdaKV: https://arxiv.org/abs/2407.11550.
 """
 
 import torch

@@ -300,9 +300,9 @@ def model_settings(args) -> dict:
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction
 # round, and per forward for h2o and epikv's state. Measured once on this CPU (1,024-token replays of the default model
 # at K = 128 and 512, rounded; the machine was shared, so about +-0.2); only --shard's balance uses it.
-EXTRA = {"streaming": 0.0, "random": 0.1, "snapkv": 0.1, "vase-noreserve": 0.2, "vase-dkv": 0.3, "rkv": 0.4,
-         "vase-adversary": 0.4, "vase": 0.5, "epikv": 0.5, "epikv-band": 0.5, "epikv-lag": 0.5, "vase-topk": 0.6,
-         "criticalkv": 0.6, "h2o": 0.9}
+EXTRA = {"streaming": 0.0, "random": 0.1, "snapkv": 0.1, "vase-noreserve": 0.2, "vase-dkv": 0.3, "curdkv-fixed": 0.3,
+         "rkv": 0.4, "vase-adversary": 0.4, "vase": 0.5, "epikv": 0.5, "epikv-band": 0.5, "epikv-lag": 0.5,
+         "vase-topk": 0.6, "criticalkv": 0.6, "h2o": 0.9}
 
 
 def cost(job: dict) -> float:

@@ -2,8 +2,9 @@
 The eviction policies: a registry of names, each a scorer and how it runs (its protection, query window, observer,
 side state, per-head budgets). Scorers map a ScoreCtx (scoring.py) to scores, higher = keep, and live by the signal
 they read: attention (policies_attention.py: snapkv, h2o, scissorhands, raas, rkv, adakv); values (policies_values.py:
-vase, vase-dkv, curdkv, criticalkv, criticalkv-ada, lagkv, epikv-lag); the residual stream (policies_residual.py:
-epikv); RoPE's frequencies (triattention.py); and here positions (streaming) and nothing at all (random).
+vase and its ablations, vase-dkv, curdkv, curdkv-fixed, criticalkv, criticalkv-ada, lagkv, epikv-lag); the residual
+stream (policies_residual.py: epikv, epikv-band); RoPE's frequencies (triattention.py); and here positions
+(streaming) and nothing at all (random).
 Left out: prefill-only methods, quantisation. Papers: linked at each scorer; StreamingLLM
 (https://arxiv.org/abs/2309.17453), Random Attention (prompt protection + per-head random keep) below.
 """

@@ -3,7 +3,8 @@ Scorers that read the values, and the keys' sizes beside them. VASE (https://arx
 the widest values and samples the rest by attention; CurDKV (https://arxiv.org/abs/2509.15038) and VASE-DKV rank key x
 value leverage; CriticalKV (https://arxiv.org/abs/2502.03805) weighs attention by what each value does to the layer
 output, ||V W_O||_1, also inside AdaKV's per-head budgets (CriticalAdaKV, its headline); LagKV
-(https://arxiv.org/abs/2504.04704) and EPIKV's lag variant score each chunk's K/V spread against a neighbouring chunk.
+(https://arxiv.org/abs/2504.04704) and EPIKV's lag variant (https://arxiv.org/abs/2606.26472) score each chunk's K/V
+spread against a neighbouring chunk.
 """
 
 import math
@@ -62,7 +63,7 @@ def cur_leverage(x: Tensor, G: Tensor | None = None, window: int = 0) -> Tensor:
 def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     """VASE-DKV (https://arxiv.org/abs/2606.03928): CurDKV-style leverage ||k G||^2 * ||v G||^2, with a Gaussian
     sketch G ~ N(0, 1/rank) [D, rank] drawn afresh at every eviction (each row's generator is seeded per row, layer
-    and round)."""
+    and round); registered with Policy(redraw=False), curdkv-fixed, the same sketch every round of a request."""
     G = draw(ctx, torch.randn, ctx.keys.shape[-1], rank) / math.sqrt(rank)  # [B, D, rank], one sketch per row
     return cur_leverage(ctx.keys, G) * cur_leverage(ctx.values, G)
 

@@ -37,7 +37,7 @@ class ScoreCtx:
     cfg: object  # ModelConfig
     budget: int  # K: slots held right after an eviction, recent buffer included
     buffer: int  # r: the newest slots, never evicted; the candidates are the other S - r
-    generators: list  # one torch.Generator per row, seeded by (seed, row, layer, eviction round unless not redraw)
+    generators: list  # one torch.Generator per row, seeded by (seed, row, layer, round: 0 if not Policy.redraw)
     fresh: int  # slots [fresh, S) arrived since the last eviction (their side state is still unset), every row
     memo: dict = field(default_factory=dict)  # shared by the layers of one eviction round
     keep: Tensor | None = None  # set by a scorer that gives heads their own budgets: [B, H_kv] slots each keeps, buffer

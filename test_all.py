@@ -691,7 +691,7 @@ def test_h2o_accumulates_explicit_softmax(tiny):
         qs = []
         for t in range(5, 12):  # capture each step's layer-1 queries with the model's own collect output
             out = tiny(toks[:, t : t + 1], cache, collect=True)
-            P.h2o_observe(cache, out, run)
+            PA.h2o_observe(cache, out, run)
             qs.append(out.queries[1])
     k = cache.k[1, :, :, :12].repeat_interleave(2, 1)  # [1, H_q, 12, D]
     expect = torch.zeros(1, 4, 12)
@@ -870,8 +870,10 @@ def test_rolling_z_hand_worked():
     """EPIKV's rolling z: window [1, 3, 5] -> (5 - 3) / 1.633 = 1.2247; fewer than 2 values -> 0; window slides."""
     z = PR.rolling_z(torch.tensor([1.0, 3.0]), torch.tensor([5.0]))
     torch.testing.assert_close(z, torch.tensor([1.2247]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(PR.rolling_z(torch.zeros(0), torch.tensor([4.0, 6.0])), torch.tensor([0.0, 1.0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(PR.rolling_z(torch.tensor([100.0, 1.0]), torch.tensor([3.0]), window=2), torch.tensor([1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(PR.rolling_z(torch.zeros(0), torch.tensor([4.0, 6.0])), torch.tensor([0.0, 1.0]),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(PR.rolling_z(torch.tensor([100.0, 1.0]), torch.tensor([3.0]), window=2),
+                               torch.tensor([1.0]), atol=1e-5, rtol=0)
 
 
 def test_epikv_lag_hand_worked():
@@ -1030,7 +1032,8 @@ def test_batched_rows_equal_unbatched_runs(tiny, name):
 SAME_STEP = [list(range(3, 13)), list(range(60, 70)), list(range(20, 47)), list(range(80, 90))]  # 10, 10, 27, 10
 
 
-@pytest.mark.parametrize("name", [n for n in DETERMINISTIC if n != "full"] + ["random", "vase", "vase-dkv"])
+@pytest.mark.parametrize("name", [n for n in DETERMINISTIC if n != "full"] + ["random", "vase", "vase-dkv",
+                                                                             "curdkv-fixed"])
 def test_rows_due_together_are_scored_together(tiny, name, monkeypatch):
     """Neighbouring rows due in the same step share one scorer call per layer: rows 0 and 1 (10 tokens each) on their
     first round, while row 2, due in that step for its third, and row 3, not a neighbour, are scored apart. Every
@@ -1060,7 +1063,7 @@ def test_batched_logits_equal_unbatched(tiny):
             torch.testing.assert_close(got[b], G.feed(tiny, G.make_cache(tiny, one, 60), torch.tensor([p]), one)[0, 0], **TOL)
 
 
-@pytest.mark.parametrize("name", ["random", "vase", "vase-noreserve", "vase-dkv"])
+@pytest.mark.parametrize("name", ["random", "vase", "vase-noreserve", "vase-dkv", "curdkv-fixed"])
 def test_stochastic_rows_are_reproducible_per_row(tiny, name):
     """A stochastic policy's row depends only on (seed, the row's id, layer, round): rerunning gives the same tokens,
     another prompt in row 0 leaves row 1 untouched, and row 1 run alone with its id reproduces it."""
@@ -4403,7 +4406,7 @@ def test_refill_rows_equal_unbatched_runs(tiny, name):
         assert t["row_steps"] == sum(len(o) - 1 for o in outs)  # every token but a row's first is one row of a step
 
 
-@pytest.mark.parametrize("name", ["random", "vase", "vase-dkv"])
+@pytest.mark.parametrize("name", ["random", "vase", "vase-dkv", "curdkv-fixed"])
 def test_refill_seeded_rows_do_not_depend_on_batch_size(tiny, name):
     """A stochastic policy, sampling at temperature 1: each prompt's tokens under refill are the same at 1, 2 and 4
     live rows, and equal its run alone with its index as its id: its draws come from its own generators, whatever
@@ -5215,9 +5218,11 @@ def test_curdkv_and_vase_dkv_share_one_leverage():
     ctx = ctx_for(S=40, B=2)
     G_ = torch.stack([torch.randn(8, 20, generator=torch.Generator().manual_seed(100 + b)) for b in range(2)]) / 20**0.5
     assert torch.equal(PV.vase_dkv(ctx), PV.cur_leverage(ctx.keys, G_) * PV.cur_leverage(ctx.values, G_))
-    torch.testing.assert_close(PV.curdkv(ctx), PV.cur_leverage(ctx.keys, window=16) * PV.cur_leverage(ctx.values, window=16))
+    torch.testing.assert_close(PV.curdkv(ctx),
+                               PV.cur_leverage(ctx.keys, window=16) * PV.cur_leverage(ctx.values, window=16))
     eye = torch.eye(8).expand(2, 8, 8)
-    torch.testing.assert_close(PV.cur_leverage(ctx.keys, eye) * PV.cur_leverage(ctx.values, eye), PV.curdkv(ctx, window=0))
+    torch.testing.assert_close(PV.cur_leverage(ctx.keys, eye) * PV.cur_leverage(ctx.values, eye),
+                               PV.curdkv(ctx, window=0))
     assert not torch.equal(PV.vase_dkv(ctx), PV.vase_dkv(dataclasses.replace(ctx, generators=[
         torch.Generator().manual_seed(7 + b) for b in range(2)])))  # a new round draws a new sketch
 
@@ -5234,11 +5239,12 @@ def test_curdkv_fixed_and_vase_dkv_differ_only_in_the_draw(tiny):
             (ctx.layer, [g.initial_seed() for g in ctx.generators], policy.score(ctx))) or seen[-1][2])
         out, _, _ = G.generate(tiny, [list(range(3, 13))], run, 80)
         return seen, out[0]
+    assert dataclasses.replace(P.POLICIES["curdkv-fixed"], redraw=True) == P.POLICIES["vase-dkv"]  # nothing else
     (fixed, a), (fresh, b) = scored("curdkv-fixed"), scored("vase-dkv")
     layers = 1 + max(l for l, _, _ in fixed)
     assert len(fixed) == len(fresh) >= 3 * layers  # three rounds at least
     for (l, seed, s), (l2, seed2, s2) in zip(fixed[:layers], fresh[:layers]):
-        assert seed == seed2 and torch.equal(s, s2)  # round 0: the same sketch, the same scores
+        assert l == l2 and seed == seed2 and torch.equal(s, s2)  # round 0: the same sketch, the same scores
     assert all(seed == fixed[i % layers][1] for i, (_, seed, _) in enumerate(fixed))  # one sketch all request
     assert len({tuple(seed) for _, seed, _ in fresh[::layers]}) == len(fresh) // layers  # a new one each round
     assert a != b

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 52, each paper's own comparison, baseline for baseline, on the 1.5B (Qwen2.5-Coder-1.5B-Instruct, int4):
 #   bash results/study/seeds.sh A & bash results/study/seeds.sh B & wait
+#   bash results/study/seeds.sh A 2     # lane A's second step alone, e.g. to run two of lane A's steps side by side
 # Two single-threaded lanes, as replicate.sh. Every step resumes where it stopped (accuracy: its finished problems in a
 # .progress file; fidelity: its finished traces) and logs its start and end to results/study/seeds.log.
 # The path: int4 at batch 16 with the int kernels and batches that drain (--int-kernels --no-refill), as every row
@@ -11,10 +12,11 @@
 # unprotected half of comparison 1, then the long traces of comparison 3.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-lane=$1
+lane=$1 only=$2
 machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))")
-log() { echo "$(date -u +%FT%TZ) lane $lane ($machine): $*" >> results/study/seeds.log; }
-step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
+log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only} ($machine): $*" >> results/study/seeds.log; }
+n=0  # steps are counted within the lane; with a second argument only that one runs
+step() { n=$((n + 1)); [ -z "$only" ] || [ "$only" = $n ] || return 0; log "start $*"; "$@"; log "end (rc $?) $*"; }
 
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16 --int-kernels"
 # GSM8K: claim 3's curve set (the first 100 problems whose protected prompt fits K = 160), K = 192, r = 16; its file
@@ -29,7 +31,8 @@ RA=rkv,triattention,triattention-layer        # Random Attention's baselines not
 if [ "$lane" = A ]; then
   step python eval.py accuracy --policies $RA --budgets 192 $GSM --protect-prompt                   # 1: RA
   step python eval.py accuracy --policies adakv,criticalkv-ada --budgets 192 $GSM --protect-prompt  # 2: CriticalKV
-  step python eval.py accuracy --policies curdkv,vase-dkv --budgets 192 $GSM --protect-prompt       # 3: VASE
+  step python eval.py accuracy --policies curdkv-fixed,vase-dkv,curdkv --budgets 192 $GSM \
+       --protect-prompt                                                                             # 3: VASE
   step python eval.py accuracy --policies epikv,h2o,raas,lagkv,scissorhands --budgets 192 $GSM --protect-prompt \
        --buffer 48                                                                                 # 4: EPIKV, r = K/4
   step python eval.py accuracy --policies snapkv,rkv,vase,random,$RA --budgets 192 $GSM --no-protect-prompt  # cut 2
@@ -38,7 +41,9 @@ else
   step python eval.py fidelity --policies triattention,triattention-layer --budgets 512 --buffer 64 $LONG --keep-refs
   step python eval.py fidelity --policies adakv,criticalkv-ada --budgets 512 --buffer 64 $LONG --keep-refs
   step python eval.py fidelity --policies h2o,raas,lagkv,scissorhands --budgets 512 --buffer 128 $LONG --keep-refs
-  step python eval.py perturbation --policies snapkv,criticalkv,adakv,criticalkv-ada --budgets 192 --buffer 16 \
-       --model qwen2.5-coder-1.5b --quant int4 --n 12 --out results/study/perturb_q15.json
-  step python eval.py fidelity --policies curdkv --budgets 512 --buffer 64 $LONG                    # cut 3
+  # the perturbation shares beside the study's snapkv and criticalkv rows (claim 3's 12 conversations, fp32, K = 192)
+  step python eval.py perturbation --policies adakv,criticalkv-ada --budgets 192 --model qwen2.5-coder-1.5b \
+       --buffer 16 --n 12 --min-tokens 512 --batch-size 16 --data data/gsm8k_test.jsonl \
+       --out results/study/fidelity_q15.json
+  step python eval.py fidelity --policies curdkv-fixed,curdkv --budgets 512 --buffer 64 $LONG       # cut 3
 fi
