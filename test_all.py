@@ -5365,3 +5365,65 @@ def test_int_kernels_keep_the_rows_keys_of_before_the_bf16_copies(monkeypatch):
     args = ev.build_parser().parse_args(argv + ["--int-kernels"])
     args.thinking = getattr(args, "thinking", None)
     assert "bf16_rows" not in ev.model_settings(args) and ev.step_rows(args) == 1
+
+
+# ---- issue 52: the seeds' comparison tables ----
+
+
+def test_seeds_loss_ratio_hand_worked():
+    """stats.loss_ratio: the full cache right on 10 problems, b wrong on 4, a on 2 of those: 0.5, inside its interval;
+    a denominator whose interval reaches 0 gives no ratio, and one item no interval."""
+    r, lo, hi, dlo, dhi = stats.loss_ratio([0] * 8 + [1] * 2, [0] * 6 + [1] * 4)
+    assert r == pytest.approx(0.5) and lo < 0.5 < hi and 0 < dlo < 0.4 < dhi
+    assert stats.loss_ratio([0] * 10, [1] + [0] * 9)[:3] == (None, None, None)  # b loses 1 of 10: may lose nothing
+    assert stats.loss_ratio([0.1], [0.2]) == (None,) * 5
+    r, lo, hi, *_ = stats.loss_ratio([0.01 * k for k in range(1, 13)], [0.02 * k for k in range(1, 13)])  # KL
+    assert r == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)  # a exactly half, always
+
+
+def test_seeds_parity_is_two_sided():
+    """tools/seeds.py's parity rule: holds inside +-margin, does not hold wholly outside (on either side, saying which),
+    not separated when the interval straddles the margin; the KL margin is 20 % of b's mean KL."""
+    tool = load_tool("seeds")
+    verdict = lambda lo, hi, kl=False: tool.Parity.verdict.fget(SimpleNamespace(margin=0.06, lo=lo, hi=hi, kl=kl))
+    assert [verdict(-0.05, 0.05), verdict(0.07, 0.2), verdict(-0.2, -0.07), verdict(-0.1, 0.0), verdict(0.0, 0.1)] \
+        == ["holds", "does not hold (a better)", "does not hold (a worse)", "not separated", "not separated"]
+    assert verdict(0.07, 0.2, kl=True) == "does not hold (a worse)"  # KL: higher is worse
+    b = [1.0, 2.0] * 6  # mean 1.5: margin 0.3
+    near, far = tool.Parity("x", [v + 0.1 for v in b], b, kl=True), tool.Parity("x", [v + 0.5 for v in b], b, kl=True)
+    assert near.margin == pytest.approx(0.3) and near.verdict == "holds" and far.verdict == "does not hold (a worse)"
+
+
+def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
+    """tools/seeds.py on a synthetic study: the four tables, "not run" where rows are missing, GSM8K rows keyed by
+    their buffer (EPIKV's r = 48 apart from r = 16), a long-trace pair of mixed protection said so, the loss ratio,
+    the Holm statement; a folder without the files refused in one line."""
+    tool = load_tool("seeds")
+    G = lambda p, right, buffer=16, **kw: acc_row(p, right, budget=192, buffer=buffer, **kw)
+    gsm = [acc_row("full", [1] * 10), G("snapkv", [1] * 6 + [0] * 4), G("criticalkv", [1] * 8 + [0] * 2),
+           G("random", [1] * 7 + [0] * 3), G("h2o", [1] * 10), G("h2o", [1] * 2 + [0] * 8, buffer=48),
+           G("epikv", [1] * 8 + [0] * 2, buffer=48)]
+    (tmp_path / "curve_q15.json").write_text(json.dumps(gsm))
+    F = lambda p, kl, protect: {"task": "fidelity", "policy": p, "budget": None if p == "full" else 512,
+                                "buffer": None if p == "full" else 64, "protect": protect, "model": "m", "n": 12,
+                                "kl_by_trace": [kl * (1 + i / 12) for i in range(12)]}
+    (tmp_path / "longfid_q15.json").write_text(json.dumps([F("full", 0.0, None), F("snapkv", 0.2, False),
+                                                           F("random", 0.1, True), F("criticalkv", 0.1, False)]))
+    tool.main(["--study", str(tmp_path)])
+    out = capsys.readouterr().out
+    for head in ("1. Random Attention", "2. CriticalKV", "3. VASE", "4. EPIKV"):
+        assert f"### {head}" in out
+    assert "| random vs rkv, GSM8K, K = 192, r = 16 | random matches it, once the prompt is protected | not run |" \
+        in out
+    assert "| vase-dkv vs curdkv-fixed, GSM8K, K = 192, r = 16 | +9.2 points" in out and "cannot be built" in out
+    assert "epikv − h2o +0.600" in out and "p = 0.031 (n = 10) | **holds, not after Holm** |" in out  # h2o at r = 48
+    assert "KL random − snapkv (K = 512, r = 64) (b not protected) -0.146" in out and "(a better)" in out  # parity
+    assert "KL criticalkv − snapkv (K = 512, r = 64) -0.146" in out and "**holds, survives Holm**" in out
+    assert "| (full − criticalkv) / (full − snapkv)" not in out and "0.50 [+0.00, +1.00] (n = 10)" in out
+    assert "| 0.50 [+0.50, +0.50] (n = 12) | **holds** |" in out  # KL's ratio: a's KL half of b's on every trace
+    assert "Holm's family: the 3 directional comparisons of these four tables (their exact sign tests" in out
+    assert "Where the problems ran: d.jsonl: not recorded: 20." in out  # each table's own rows, 10 problems each
+    assert "is not a folder" in one_line_exit(tool.main, ["--study", str(tmp_path / "nowhere")], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "holds none of the seeds' result files" in one_line_exit(tool.main, ["--study", str(tmp_path / "empty")],
+                                                                    capsys)

@@ -53,14 +53,18 @@ def rows_of(paths: list[Path], task: str, key) -> dict:
     return rows
 
 
-def accuracy_rows(paths: list[Path]) -> dict:
-    """(policy, budget, protect) -> accuracy row."""
-    return rows_of(paths, "accuracy", lambda r: (r["policy"], r["budget"], r["protect"]))
+def accuracy_rows(paths: list[Path], by_buffer: bool = False) -> dict:
+    """(policy, budget, protect) -> accuracy row; by_buffer: (policy, budget, protect, buffer), so that one budget's
+    rows at two recent windows stay apart (issue 52's EPIKV at r = K/4 beside the rest at r = 16)."""
+    return rows_of(paths, "accuracy", lambda r: (r["policy"], r["budget"], r["protect"]) + ((r.get("buffer"),)
+                                                                                         if by_buffer else ()))
 
 
-def fidelity_rows(paths: list[Path]) -> dict:
-    """(policy, budget, buffer) -> fidelity row."""
-    return rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]))
+def fidelity_rows(paths: list[Path], by_protect: bool = False) -> dict:
+    """(policy, budget, buffer) -> fidelity row; by_protect: (policy, budget, buffer, protect), so that a policy's
+    protected and unprotected rows stay apart (tools/seeds.py)."""
+    return rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]) + ((r["protect"],)
+                                                                                        if by_protect else ()))
 
 
 class Cell:
@@ -90,29 +94,34 @@ class Cell:
                 f"p = {self.p:.2g} (n = {self.n})")
 
 
-def acc_cell(rows: dict, a: tuple, b: tuple, expect: str) -> Cell | None:
+def acc_cell(rows: dict, a: tuple, b: tuple, expect: str, cell=Cell) -> Cell | None:
+    """a - b in accuracy over the problems both rows hold; None where a row is missing. cell: Cell or a subclass
+    with its own rule (tools/seeds.py's two-sided parity)."""
     if a not in rows or b not in rows:
         return None
     x, y = outcomes(rows[a]), outcomes(rows[b])
     common = sorted(set(x) & set(y))
-    return Cell(f"{a[0]} − {b[0]}", [x[i] for i in common], [y[i] for i in common], expect)
+    return cell(f"{a[0]} − {b[0]}", [x[i] for i in common], [y[i] for i in common], expect)
 
 
-def kl_cell(rows: dict, a: tuple, b: tuple, expect: str) -> Cell | None:
+def kl_cell(rows: dict, a: tuple, b: tuple, expect: str, cell=Cell) -> Cell | None:
+    """KL(a) - KL(b) per trace, keys (policy, budget, buffer, ...); None where a row is missing."""
     if a not in rows or b not in rows:
         return None
-    return Cell(f"KL {a[0]} − {b[0]} (K = {a[1]}, r = {a[2]})", rows[a]["kl_by_trace"], rows[b]["kl_by_trace"],
+    return cell(f"KL {a[0]} − {b[0]} (K = {a[1]}, r = {a[2]})", rows[a]["kl_by_trace"], rows[b]["kl_by_trace"],
                 expect, kl=True)
 
 
-def spread_line(rows: dict, K) -> str | None:
+def spread_line(rows: dict, K, policies=("snapkv", "vase", "random", "criticalkv"), tail=()) -> str | None:
     """Random Attention's bunching: the spread (best minus worst accuracy) across the policies run both protected and
-    not at budget K (of snapkv, vase, random and criticalkv), protected minus not, on the problems all of them hold."""
-    pols = [p for p in ("snapkv", "vase", "random", "criticalkv") if (p, K, True) in rows and (p, K, False) in rows]
+    not at budget K (of `policies`), protected minus not, on the problems all of them hold. tail: the rest of the
+    rows' key after (policy, budget, protect), e.g. (16,) for rows keyed by buffer too."""
+    key = lambda p, s: (p, K, s, *tail)
+    pols = [p for p in policies if key(p, True) in rows and key(p, False) in rows]
     if len(pols) < 2:
         return None
-    common = sorted(set.intersection(*(set(outcomes(rows[p, K, s])) for p in pols for s in (True, False))))
-    acc = lambda s: [[outcomes(rows[p, K, s])[i] for i in common] for p in pols]
+    common = sorted(set.intersection(*(set(outcomes(rows[key(p, s)])) for p in pols for s in (True, False))))
+    acc = lambda s: [[outcomes(rows[key(p, s)])[i] for i in common] for p in pols]
     on, off, lo, hi = spread_diff(acc(True), acc(False))
     verdict = "not separated" if lo is None or lo <= 0 <= hi else "holds" if hi < 0 else "does not hold"
     return (f"spread over {', '.join(pols)}: protected {on:.2f}, not {off:.2f}, difference {on - off:+.2f} "
