@@ -39,6 +39,8 @@ if [ "$lane" = A ]; then
   step python eval.py accuracy --policies $RA $MATH                                                # cut 1
 else
   step python eval.py fidelity --policies triattention,triattention-layer --budgets 512 --buffer 64 $LONG --keep-refs
+  # comparison 1 is protected throughout: the study's snapkv, rkv and vase long-trace rows are not
+  step python eval.py fidelity --policies snapkv,rkv,vase --budgets 512 --buffer 64 $LONG --keep-refs --protect-prompt
   step python eval.py fidelity --policies adakv,criticalkv-ada --budgets 512 --buffer 64 $LONG --keep-refs
   step python eval.py fidelity --policies h2o,raas,lagkv,scissorhands --budgets 512 --buffer 128 $LONG --keep-refs
   # the perturbation shares beside the study's snapkv and criticalkv rows (claim 3's 12 conversations, fp32, K = 192)
