@@ -24,6 +24,13 @@ def head_cap(n_kv_heads: int, n: int, alpha: float = SAFEGUARD) -> int:
     return n_kv_heads * n - (n_kv_heads - 1) * int(alpha * n)
 
 
+def row_span(n_kv_heads: int, K: int, r: int, alpha: float = SAFEGUARD) -> int:
+    """The slots a row spans after a per-head round: the most one head may hold under either rule, FFY0's (n = K - r
+    candidates per head, the buffer r on top) or kvpress's (n = K slots per head, the window inside). e.g. 2 heads,
+    K = 192, r = 16: max(317 + 16, 384 - 38) = 346; K = 512, r = 64: max(807 + 64, 1024 - 102) = 922."""
+    return max(head_cap(n_kv_heads, K - r, alpha) + r, head_cap(n_kv_heads, K, alpha))
+
+
 def pooled_counts(s: Tensor, n: int) -> Tensor:
     """[B, H_kv, S] scores -> [B, H_kv]: how many of each head's slots are among the H_kv * n best of its row, the
     heads' scores pooled. e.g. s = [[[5, 1], [4, 3]]] (two heads of two slots), n = 1: the best two of {5, 1, 4, 3}

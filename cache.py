@@ -205,7 +205,7 @@ class KVCache:
             s = s.masked_fill(pos[:, :, :S] == FREE, -float("inf"))  # a free slot is never kept
             m = int(kh.max())
             if m > span:
-                raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by head_cap")
+                raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by budgets.row_span")
             # each head's best first; those past its own count sort to the end (as slot S), then temporal order
             top = s.topk(m, dim=-1).indices  # [n, H_kv, m]
             late = torch.arange(m, device=top.device) >= kh[..., None]

@@ -130,10 +130,10 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
 
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
     """A cache for each row of the request (or `batch` rows that its rows take turns in, generate_refill) and
-    n_tokens per row: span + buffer slots when evicting (span: K, or a per-head policy's budgets.head_cap), else all."""
+    n_tokens per row: span + buffer slots when evicting (span: K, or a per-head policy's budgets.row_span), else all."""
     run.span = run.budget
     if run.policy.per_head and run.budget is not None:  # after a round, the row spans what its fullest head may keep
-        run.span = budgets.head_cap(model.cfg.num_key_value_heads, run.budget - run.buffer) + run.buffer
+        run.span = budgets.row_span(model.cfg.num_key_value_heads, run.budget, run.buffer)
     evicts = run.budget is not None and n_tokens > run.budget + run.buffer
     cap = run.span + run.buffer if evicts else n_tokens
     run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh

@@ -50,7 +50,7 @@ class Policy:
     window: int | str = 0  # how many recent queries the scorer reads from the ring; "buffer" = r of them
     observe: Callable | None = None  # observe(cache, out, run) after every forward, for state built while decoding
     side: tuple = ()  # per-slot side state the cache must carry
-    per_head: bool = False  # heads get their own budgets (the scorer sets ScoreCtx.keep); the cache: budgets.head_cap
+    per_head: bool = False  # heads get their own budgets (the scorer sets ScoreCtx.keep); the cache: budgets.row_span
     prepare: Callable | None = None  # prepare(model, stats_file) -> ScoreCtx.stats, once a request (calibration)
     redraw: bool = True  # ScoreCtx.generators start afresh each round; False: the same draws every round of a request
 

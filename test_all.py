@@ -4786,6 +4786,20 @@ def test_budgets_hand_worked():
     assert budgets.head_cap(2, 448) == 807 and budgets.head_cap(1, 448) == 448
 
 
+@pytest.mark.parametrize("K, r", [(192, 16), (24, 8), (512, 64), (40, 4)])
+def test_one_head_winning_every_vote_fits_the_row_span(K, r):
+    """The cache must hold the fullest head either rule allows: here head 0 outscores head 1 everywhere (2 KV heads),
+    so AdaKV gives it n_h = H_kv (K - r) and kvpress's rule all but head 1's safeguard; both fit budgets.row_span.
+    (FFY0's cap alone, head_cap(H, K - r) + r, was 333 at K = 192, r = 16, and criticalkv-ada kept 334 on the 1.5B.)"""
+    S = 3 * K
+    s = torch.cat([torch.rand(1, 1, S) + 2.0, torch.rand(1, 1, S)], 1)  # [1, 2, S], head 0 always above
+    ada = budgets.adakv(s[..., : S - r], K - r) + r
+    _, kv = budgets.safeguarded(s, K)
+    assert kv.tolist() == [[2 * K - int(0.2 * K), int(0.2 * K)]]
+    assert max(ada.max(), kv.max()) <= budgets.row_span(2, K, r)
+    assert budgets.row_span(2, K, r) in (int(ada.max()), int(kv.max()))  # and it is tight for one of them
+
+
 def per_head_run(model, name, prompts, budget=24, buffer=8, n=60, **kw):
     run = G.make_run(name, budget, buffer, False, [len(p) for p in prompts], seed=3)
     out, cache, _ = G.generate(model, prompts, run, n, **kw)
@@ -4820,7 +4834,7 @@ def test_per_head_invariants(tiny, name):
     run.watch = watch
     G.generate(tiny, [list(range(3, 13))], run, 80)
     assert len(seen) >= 5 and torch.stack(seen).unique().numel() > 2
-    assert run.span == budgets.head_cap(2, 16) + 8 == 8 + 2 * 16 - 3
+    assert run.span == budgets.row_span(2, 24, 8) == max(8 + 2 * 16 - 3, 2 * 24 - 4)
 
 
 @pytest.mark.parametrize("name", PER_HEAD)
