@@ -167,18 +167,23 @@ def machines(rows: dict) -> str:
     return ", ".join(f"{m}: {n}" for m, n in sorted(count.items())) or "no rows"
 
 
+def study_folder(path: str, files: tuple, whose: str, writer: str) -> Path:
+    """--study as a folder that holds at least one of `files`, else a one-line UsageError naming the fix."""
+    d = Path(path)
+    if not d.is_dir():
+        raise UsageError(f"--study {d} is not a folder: pass the folder of the study's result files (default {STUDY})")
+    if not any((d / f).is_file() for f in files):
+        raise UsageError(f"--study {d} holds none of {whose} result files ({', '.join(files)}): pass the folder that "
+                         f"{writer} wrote")
+    return d
+
+
 def main(argv=None):
     ap = Parser(description="The replication table from the study's result files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     args = ap.parse_args(argv)
-    d = Path(args.study)
     try:
-        if not d.is_dir():
-            raise UsageError(f"--study {d} is not a folder: pass the folder of the study's result files (default "
-                             f"{STUDY})")
-        if not any((d / f).is_file() for f in FILES):
-            raise UsageError(f"--study {d} holds none of the study's result files ({', '.join(FILES)}): pass the "
-                             "folder that results/study/run.sh and replicate.sh wrote")
+        d = study_folder(args.study, FILES, "the study's", "results/study/run.sh and replicate.sh")
         columns = {  # name -> (accuracy rows, fidelity rows, accuracy budget, fidelity (budget, buffer)s)
             "1.5B, GSM8K (fp32, K = 192)": (accuracy_rows([d / "claims_q15.json", d / "claims_q15_noprotect.json"]),
                                             fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.
 
 from claims import NEEDS as CLAIMS_NEEDS  # noqa: E402
 from cli import Parser, UsageError  # noqa: E402
-from replication import Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines, spread_line  # noqa: E402
+from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines,  # noqa: E402
+                         spread_line, study_folder)
 from results import one_setting, tool_rows  # noqa: E402
 from stats import holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
 
@@ -193,14 +194,8 @@ def main(argv=None):
     ap = Parser(description="The seed papers' own comparisons (issue 52), one table per paper, from the study's files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     args = ap.parse_args(argv)
-    d = Path(args.study)
     try:
-        if not d.is_dir():
-            raise UsageError(f"--study {d} is not a folder: pass the folder of the study's result files (default "
-                             f"{STUDY})")
-        if not any((d / f).is_file() for f in FILES):
-            raise UsageError(f"--study {d} holds none of the seeds' result files ({', '.join(FILES)}): pass the "
-                             "folder that results/study/seeds.sh wrote")
+        d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
         papers, settings, fid = tables(d)
     except UsageError as e:
         sys.exit(f"error: {e}")
