@@ -1672,6 +1672,21 @@ def test_fidelity_sees_eviction(tiny):
     assert row["kl"] > 1e-4 and row["tokens"] == 150
 
 
+def test_compare_in_small_chunks_equals_the_whole_at_once():
+    """traces.compare's sums over a few positions at a time (a ragged last chunk included) equal KL, top-1 agreement
+    and the next-token gap computed over all positions at once in float64."""
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(23, 300, generator=g) * 3
+    logits, nxt = ref + torch.randn(23, 300, generator=g), torch.randint(0, 300, (23, 1), generator=g)
+    p, q = ref.double().log_softmax(-1), logits.double().log_softmax(-1)
+    want = {"kl": (p.exp() * (p - q)).sum().item(), "top1": (p.argmax(-1) == q.argmax(-1)).sum().item(),
+            "gap": (p.gather(1, nxt) - q.gather(1, nxt)).sum().item()}
+    for rows in (4, 5, 256):
+        got = traces.compare(ref, logits, nxt, rows=rows)
+        assert got["top1"] == want["top1"] and want["top1"] < 23
+        assert got["kl"] == pytest.approx(want["kl"], rel=1e-5) and got["gap"] == pytest.approx(want["gap"], rel=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv", "vase-topk", "criticalkv", "epikv", "epikv-lag"])
 def test_chunked_replay_equals_token_by_token(tiny, policy):
     """Feeding the r tokens between evictions as one chunk gives the logits and kept slots of one-at-a-time decode."""
@@ -4484,6 +4499,13 @@ def test_lane_hours_spans():
     assert got == [("A", 90, True, "python eval.py one"), ("B", 120, True, "python eval.py two"),
                    ("A", 45, True, "python eval.py three"), ("B", 45, True, "python eval.py four")]
     assert [c for *_, c, _ in tool.spans(log[:2] + log[6:7])] == [False]  # B restarted without an end: open
+    alone = ["2026-12-05T13:34:00Z lane A step 2 (AMD EPYC, AVX512): start python eval.py five",
+             "2026-12-05T13:34:00Z lane A step 1 (AMD EPYC, AVX512): start python eval.py six",
+             "2026-12-05T13:40:00Z lane A step 1 (AMD EPYC, AVX512): end (rc 0) python eval.py six",
+             "2026-12-05T13:40:00Z lane A step 1 (AMD EPYC, AVX512): start python eval.py seven",
+             "2026-12-05T13:53:00Z lane A (AMD EPYC, AVX512): the lanes were stopped at the sitting's end"]
+    got = [(lane, (t1 - t0).total_seconds() / 60, closed) for lane, t0, t1, closed, _ in tool.spans(alone)]
+    assert sorted(got) == [("A step 1", 6, True), ("A step 1", 13, True), ("A step 2", 19, True)]
 
 
 def test_refill_bench_replays_the_step_counts(tiny):
@@ -5423,6 +5445,17 @@ def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
                                 "kl_by_trace": [kl * (1 + i / 12) for i in range(12)]}
     (tmp_path / "longfid_q15.json").write_text(json.dumps([F("full", 0.0, None), F("snapkv", 0.2, False),
                                                            F("random", 0.1, True), F("criticalkv", 0.1, False)]))
+    bench = lambda p, ms, ctx=4096: {"task": "bench", "policy": p, "budget": 256, "buffer": 64, "context": ctx,
+                                     "batch": 1, "ms_per_step": ms, "cpu": "X"}
+    (tmp_path / "bench.json").write_text(json.dumps(
+        [bench("epikv", 40.0), bench("h2o", 50.0), bench("raas", 52.0), bench("scissorhands", 48.0),
+         bench("lagkv", 40.0, ctx=2048), bench("epikv", 10.0, ctx=2048), bench("lagkv", 44.0)]))
+    tool.main(["--study", str(tmp_path), "--bench", str(tmp_path / "bench.json")])
+    out = capsys.readouterr().out
+    assert ("position 4,096, batch 1, X), ms per decode step: `epikv` 40.0 (1.00×), `h2o` 50.0 (1.25×), `raas` 52.0 "
+            "(1.30×), `scissorhands` 48.0 (1.20×), `lagkv` 44.0 (1.10×)") in out  # 2,048 lacks three of them
+    tool.main(["--study", str(tmp_path), "--bench", str(tmp_path / "none.json")])
+    assert "- Cost at equal memory: not measured (no " in capsys.readouterr().out
     tool.main(["--study", str(tmp_path)])
     out = capsys.readouterr().out
     for head in ("1. Random Attention", "2. CriticalKV", "3. VASE", "4. EPIKV"):

@@ -4,7 +4,7 @@ How long each lane of a study ran, from the start and end lines its script logs 
     python tools/lane_hours.py results/study/replicate.log
 
 A lane's step runs from its `start` line to its `end` line, or to a line saying the lanes (or that lane) were stopped
-by hand; a step with neither before the lane's next `start` is open: a sitting ended without a line, so the log
+by hand; a step run alone (`seeds.sh A 2` logs "lane A step 2") is a lane of its own beside the others; a step with neither before the lane's next `start` is open: a sitting ended without a line, so the log
 cannot say when it stopped, and it is listed apart with the span up to that next start (an upper bound).
 """
 
@@ -12,7 +12,7 @@ import re
 import sys
 from datetime import datetime
 
-LINE = re.compile(r"lane ([AB])(?: \(.*?\))?: (start|end) ")  # "(Intel(R) Xeon(R) ...)": the lazy .*? spans it
+LINE = re.compile(r"lane ([AB](?: step \d+)?)(?: \(.*?\))?: (start|end) ")  # "(Intel(R) Xeon(R) ...)": the lazy .*? spans it
 
 
 def spans(lines: list[str]) -> list[tuple[str, datetime, datetime, bool, str]]:
@@ -38,7 +38,8 @@ def spans(lines: list[str]) -> list[tuple[str, datetime, datetime, bool, str]]:
             for lane in "AB":
                 left_running = re.search(rf"lane {lane}'s \w+ step left running", rest)
                 if not left_running and (rest.startswith("lanes") or rest.startswith(f"lane {lane} ")):
-                    close(lane, t, True)
+                    for key in [k for k in running if k.split()[0] == lane]:  # "A" and every "A step N"
+                        close(key, t, True)
     return out
 
 

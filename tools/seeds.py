@@ -3,6 +3,8 @@ Each seed paper's own comparisons (issue 52), one table per paper in the paper's
 
     python tools/seeds.py        # results/study, as results/study/seeds.sh writes it; rerun as its lanes finish
 
+Beneath EPIKV's table: each of its baselines' cost per decode step at equal memory, from eval.py bench rows (--bench).
+
 All on the 1.5B (Qwen2.5-Coder-1.5B-Instruct, int4), paired on the same problems (GSM8K: claim 3's curve set, K = 192;
 MATH-500, K = 416) or the same 12 long traces (fidelity, K = 512). Each row: the comparison, the paper's own figure,
 nanokv's (a - b with its paired bootstrap 95 % interval and exact sign test, tools/replication.py's Cell) and the
@@ -26,6 +28,9 @@ from stats import holm, interval, loss_ratio, min_detectable, outcomes, sign_tes
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
+# EPIKV's "at equal cost": the decode steps of eval.py bench at one K (equal memory), the 1.5B int4 (issue 51's rows)
+BENCH = STUDY.parent / "issue51" / "bench_q15_int4.json"
+EPI = ("epikv", "h2o", "raas", "scissorhands", "lagkv")  # EPIKV and its baselines
 # Parity margins, fixed on 5 December 2026 before any of these comparisons ran (issue 52: "the interval lies within a
 # margin stated in advance"). Two-sided: a parity claim holds when the interval of a - b lies within +-margin.
 ACC_MARGIN = 0.06  # accuracy: replication.MARGIN, here on both sides
@@ -147,6 +152,24 @@ def share_line(per: dict, a: str, b: str) -> tuple[str, str] | None:
             "interval)", "holds" if got["window"] > 0.9 else "does not hold")
 
 
+def cost_line(path: Path) -> str:
+    """EPIKV against its baselines at equal memory (one K): each one's ms per decode step from eval.py bench, at batch 1
+    and the shortest context where all five have a row; the share of a step each adds over EPIKV."""
+    if not path.exists():
+        return f"- Cost at equal memory: not measured (no {path})"
+    rows = [r for r in tool_rows([path], {"bench": ("policy", "context", "batch", "ms_per_step")}) if r["batch"] == 1]
+    at = sorted(c for c in {r["context"] for r in rows} if all(any(r["context"] == c and r["policy"] == p
+                                                                     for r in rows) for p in EPI))
+    if not at:
+        return f"- Cost at equal memory: not measured ({path} lacks a context where {', '.join(EPI)} all ran)"
+    ms = {r["policy"]: r for r in rows if r["context"] == at[0]}  # the last row of each policy there
+    e = ms["epikv"]
+    return (f"- Cost at equal memory ({path.name}: K = {e.get('budget')}, r = {e.get('buffer')}, position "
+            f"{at[0]:,}, batch 1, {e.get('cpu', 'CPU not recorded')}), ms per decode step: "
+            + ", ".join(f"`{p}` {ms[p]['ms_per_step']:.1f} ({ms[p]['ms_per_step'] / e['ms_per_step']:.2f}×)"
+                        for p in EPI))
+
+
 def tables(d: Path) -> tuple[dict, list]:
     """Each paper -> its rows (comparison, paper's figure, a Cell, a (figure, verdict) pair, or None), and the
     settings' (name, accuracy rows) for the machines and the detectable differences."""
@@ -193,10 +216,13 @@ def tables(d: Path) -> tuple[dict, list]:
 def main(argv=None):
     ap = Parser(description="The seed papers' own comparisons (issue 52), one table per paper, from the study's files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
+    ap.add_argument("--bench", default=str(BENCH), help="eval.py bench rows for EPIKV's cost (default "
+                    "results/issue51/bench_q15_int4.json)")
     args = ap.parse_args(argv)
     try:
         d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
         papers, settings, fid = tables(d)
+        cost = cost_line(Path(args.bench))
     except UsageError as e:
         sys.exit(f"error: {e}")
     family = [c for rows in papers.values() for *_, c in rows if isinstance(c, Cell) and c.expect != "parity"]
@@ -215,6 +241,8 @@ def main(argv=None):
                         for data in sorted({r.get("data") for r in used.values()}, key=str)) or "no accuracy rows yet"
         print(f"\nWhere the problems ran: {ran}. Fidelity rows do not record it (results/study/seeds.log names each "
               "step's machine).\n")
+        if name.startswith("4."):
+            print(cost + "\n")
     for name, rows in settings:
         full = next((r for k, r in rows.items() if k[0] == "full"), None)
         if full:

@@ -35,7 +35,7 @@ if [ "$lane" = A ]; then
        --protect-prompt                                                                             # 3: VASE
   step python eval.py accuracy --policies epikv,h2o,raas,lagkv,scissorhands --budgets 192 $GSM --protect-prompt \
        --buffer 48                                                                                 # 4: EPIKV, r = K/4
-  step python eval.py accuracy --policies snapkv,rkv,vase,random,$RA --budgets 192 $GSM --no-protect-prompt  # cut 2
+  step python eval.py accuracy --policies snapkv,vase,random,$RA --budgets 192 $GSM --no-protect-prompt  # cut 2
   step python eval.py accuracy --policies $RA $MATH                                                # cut 1
 else
   step python eval.py fidelity --policies triattention,triattention-layer --budgets 512 --buffer 64 $LONG --keep-refs
