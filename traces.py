@@ -168,7 +168,7 @@ def compare(ref: torch.Tensor, logits: torch.Tensor, nxt: torch.Tensor, rows: in
     """Sums over positions of KL(p || q), top-1 agreement, and log p - log q of the trace's own next token nxt [N, 1],
     where p and q are the softmaxes of the full cache's logits ref and a policy's logits, both [N, V]; a few positions
     at a time: a long trace's log-probs over a 152k vocabulary are gigabytes, and 4 rows of them (2.4 MB) stay in the
-    CPU's cache through the ten passes below, which makes this 2-4x faster than 256 rows at a time (issue 53)."""
+    CPU's cache through the passes below (a 2,048-token trace: 0.5 s, against 3.4 s at 256 rows; issue 53)."""
     kl = top1 = gap = 0.0
     for s in range(0, len(ref), rows):
         p, q = (x[s : s + rows].float().log_softmax(-1) for x in (ref, logits))

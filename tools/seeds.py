@@ -154,7 +154,7 @@ def share_line(per: dict, a: str, b: str) -> tuple[str, str] | None:
 
 def cost_line(path: Path) -> str:
     """EPIKV against its baselines at equal memory (one K): each one's ms per decode step from eval.py bench, at batch 1
-    and the shortest context where all five have a row; the share of a step each adds over EPIKV."""
+    and the shortest context where all five have a row, each as a multiple of EPIKV's."""
     if not path.exists():
         return f"- Cost at equal memory: not measured (no {path})"
     rows = [r for r in tool_rows([path], {"bench": ("policy", "context", "batch", "ms_per_step")}) if r["batch"] == 1]
