@@ -4506,6 +4506,12 @@ def test_lane_hours_spans():
              "2026-12-05T13:53:00Z lane A (AMD EPYC, AVX512): the lanes were stopped at the sitting's end"]
     got = [(lane, (t1 - t0).total_seconds() / 60, closed) for lane, t0, t1, closed, _ in tool.spans(alone)]
     assert sorted(got) == [("A step 1", 6, True), ("A step 1", 13, True), ("A step 2", 19, True)]
+    split = ["2026-12-05T17:00:00Z lane B step 4 (AMD EPYC, AVX512): start python eval.py --policies h2o,raas",
+             "2026-12-05T17:05:00Z lane B step 4 lagkv,scissorhands (AMD EPYC, AVX512): start python eval.py",
+             "2026-12-05T17:35:00Z lane B step 4 lagkv,scissorhands (AMD EPYC, AVX512): end (rc 0) python eval.py",
+             "2026-12-05T18:00:00Z lane B step 4 (AMD EPYC, AVX512): end (rc 0) python eval.py --policies h2o,raas"]
+    got = [(lane, (t1 - t0).total_seconds() / 60, closed) for lane, t0, t1, closed, _ in tool.spans(split)]
+    assert got == [("B step 4 lagkv,scissorhands", 30, True), ("B step 4", 60, True)]  # a step split in two lanes
 
 
 def test_refill_bench_replays_the_step_counts(tiny):
@@ -5429,6 +5435,28 @@ def test_seeds_parity_is_two_sided():
     near, far = tool.Parity("x", [v + 0.1 for v in b], b, kl=True), tool.Parity("x", [v + 0.5 for v in b], b, kl=True)
     assert near.margin == pytest.approx(0.3) and near.verdict == "holds" and far.verdict == "does not hold (a worse)"
 
+
+def test_seeds_script_runs_one_step_and_some_of_its_policies(tmp_path):
+    """results/study/seeds.sh B 4 lagkv: only lane B's fourth step runs, with lagkv in place of its four policies, and
+    its start and end are logged as "lane B step 4 lagkv" (a lane of its own for tools/lane_hours.py); without the third
+    argument the step's own policies run. A stand-in `python` on PATH records each command instead of running it."""
+    study = tmp_path / "results" / "study"
+    study.mkdir(parents=True)
+    (study / "seeds.sh").write_text(open(os.path.join(HERE, "results", "study", "seeds.sh")).read())
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1" = -c ] && { echo CPU; exit 0; }\necho "$@" >> "$(dirname "$0")/ran"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    run = lambda *a: subprocess.run(["bash", str(study / "seeds.sh"), *a], env=env, check=True)
+    run("B", "4", "lagkv")
+    ran = (fake.parent / "ran").read_text().splitlines()
+    assert len(ran) == 1 and ran[0].startswith("eval.py fidelity --policies lagkv --budgets 512 --buffer 128 ")
+    log = (study / "seeds.log").read_text().splitlines()
+    assert len(log) == 2 and "lane B step 4 lagkv (CPU): start python eval.py fidelity --policies lagkv " in log[0] \
+        and "lane B step 4 lagkv (CPU): end (rc 0) python eval.py fidelity --policies lagkv " in log[1]
+    run("B", "4")
+    assert " --policies h2o,raas,lagkv,scissorhands " in (fake.parent / "ran").read_text().splitlines()[1]
 
 def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
     """tools/seeds.py on a synthetic study: the four tables, "not run" where rows are missing, GSM8K rows keyed by

@@ -4,17 +4,19 @@ How long each lane of a study ran, from the start and end lines its script logs 
     python tools/lane_hours.py results/study/replicate.log
 
 A lane's step runs from its `start` line to its `end` line, or to a line saying the lanes (or that lane) were stopped
-by hand; a step run alone (`seeds.sh A 2` logs "lane A step 2") is a lane of its own beside the others; a step with
-neither before the lane's next `start` is open: a sitting ended without a line, so the log cannot say when it stopped,
-and it is listed apart with the span up to that next start (an upper bound).
+by hand; a step run alone (`seeds.sh A 2` logs "lane A step 2"), or some of its policies (`seeds.sh B 4 lagkv` logs
+"lane B step 4 lagkv"), is a lane of its own beside the others; a step with neither before the lane's next `start` is
+open: a sitting ended without a line, so the log cannot say when it stopped, and it is listed apart with the span up
+to that next start (an upper bound).
 """
 
 import re
 import sys
 from datetime import datetime
 
-# "lane A" or "lane A step 2", then "(Intel(R) Xeon(R) ...)": the lazy .*? spans its parentheses
-LINE = re.compile(r"lane ([AB](?: step \d+)?)(?: \(.*?\))?: (start|end) ")
+# "lane A", "lane A step 2" or "lane B step 4 lagkv,h2o" (some of a step's policies), then "(Intel(R) Xeon(R) ...)":
+# the lazy .*? spans its parentheses
+LINE = re.compile(r"lane ([AB](?: step \d+(?: [\w,-]+)?)?)(?: \(.*?\))?: (start|end) ")
 
 
 def spans(lines: list[str]) -> list[tuple[str, datetime, datetime, bool, str]]:

@@ -2,6 +2,7 @@
 # Issue 52, each paper's own comparison, baseline for baseline, on the 1.5B (Qwen2.5-Coder-1.5B-Instruct, int4):
 #   bash results/study/seeds.sh A & bash results/study/seeds.sh B & wait
 #   bash results/study/seeds.sh A 2     # lane A's second step alone, e.g. to run two of lane A's steps side by side
+#   bash results/study/seeds.sh B 4 lagkv,scissorhands   # only these of the step's policies (a step split in two lanes)
 # Two single-threaded lanes, as replicate.sh. Every step resumes where it stopped (accuracy: its finished problems in a
 # .progress file; fidelity: its finished traces) and logs its start and end to results/study/seeds.log.
 # The path: int4 at batch 16 with the int kernels and batches that drain (--int-kernels --no-refill), as every row
@@ -12,11 +13,16 @@
 # unprotected half of comparison 1, then the long traces of comparison 3.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-lane=$1 only=$2
+lane=$1 only=$2 pick=$3
 machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))")
-log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only} ($machine): $*" >> results/study/seeds.log; }
+log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only}${pick:+ $pick} ($machine): $*" >> results/study/seeds.log; }
 n=0  # steps are counted within the lane; with a second argument only that one runs
-step() { n=$((n + 1)); [ -z "$only" ] || [ "$only" = $n ] || return 0; log "start $*"; "$@"; log "end (rc $?) $*"; }
+step() {
+  n=$((n + 1)); [ -z "$only" ] || [ "$only" = $n ] || return 0
+  local a=("$@") i  # with a third argument: its policies in place of the step's own
+  for i in "${!a[@]}"; do [ -n "$pick" ] && [ "${a[i]}" = --policies ] && a[i + 1]=$pick; done
+  log "start ${a[*]}"; "${a[@]}"; log "end (rc $?) ${a[*]}"
+}
 
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16 --int-kernels"
 # GSM8K: claim 3's curve set (the first 100 problems whose protected prompt fits K = 160), K = 192, r = 16; its file
@@ -47,5 +53,5 @@ else
   step python eval.py perturbation --policies adakv,criticalkv-ada --budgets 192 --model qwen2.5-coder-1.5b \
        --buffer 16 --n 12 --min-tokens 512 --batch-size 16 --data data/gsm8k_test.jsonl \
        --out results/study/fidelity_q15.json
-  step python eval.py fidelity --policies curdkv-fixed,curdkv --budgets 512 --buffer 64 $LONG       # cut 3
+  step python eval.py fidelity --policies curdkv-fixed,curdkv --budgets 512 --buffer 64 $LONG --keep-refs  # cut 3
 fi
