@@ -20,7 +20,7 @@ n=0  # steps are counted within the lane; with a second argument only that one r
 step() {
   n=$((n + 1)); [ -z "$only" ] || [ "$only" = $n ] || return 0
   local a=("$@") i  # with a third argument: its policies in place of the step's own
-  for i in "${!a[@]}"; do [ -n "$pick" ] && [ "${a[i]}" = --policies ] && a[i + 1]=$pick; done
+  [ -z "$pick" ] || for i in "${!a[@]}"; do [ "${a[i]}" = --policies ] && a[i + 1]=$pick; done
   log "start ${a[*]}"; "${a[@]}"; log "end (rc $?) ${a[*]}"
 }
 
