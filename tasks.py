@@ -151,6 +151,22 @@ def math_equal(pred: str, answer: str) -> bool:
 # loops
 
 
+def loop_share(ids: list[int], n: int = 32) -> float:
+    """The share of the second half's n-token windows that already occurred earlier in ids: a verbatim loop of any
+    period up to the trace's length repeats its windows, so its share nears 1; reasoning that moves on stays near 0.
+    e.g. n=2: [1, 2, 3, 1, 2, 3, 1, 2] -> windows of the second half (from position 4) (2, 3), (3, 1), (1, 2) all seen
+    before -> 1.0; [1, 2, 3, 4, 5, 6, 7, 8] -> 0.0."""
+    seen, half, hits = set(), len(ids) // 2, 0
+    for i in range(len(ids) - n + 1):
+        w = tuple(ids[i : i + n])
+        hits += i >= half and w in seen
+        seen.add(w)
+    return hits / max(1, len(ids) - n + 1 - half)
+
+
+LOOP_SHARE = 0.5  # a trace loops when more than half of its second half repeats earlier windows
+
+
 def is_loop(ids: list[int], max_new_tokens: int, eos_ids=(), tail: int = 128, max_period: int = 64) -> bool:
     """An answer loops when it ran to max_new_tokens without an end token and its last `tail` tokens repeat with
     a period of at most `max_period`: x[i] == x[i - p] for every i >= p in that tail, for some p <= max_period.
