@@ -36,7 +36,7 @@ from probes import FACT_NAME, build_probe, head_perturbation, head_probe, pertur
 from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
-from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
+from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_short_loop, load_data
 from traces import (check_first_turns, compare, conversation_plans, first_turn, first_turns, long_answers,
                     pack_conversations, replay, targets, trace_cap)
 from weights import MODEL_HOME
@@ -183,7 +183,7 @@ def accuracy(args, job: dict, lab: dict) -> dict:
             th = tok.thought(prompt, ids)
             think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens, "think_closed": th.closed}
         done.append({"i": i, "correct": is_correct(pred, rows[i]["answer"]), "answered": pred is not None,
-                     "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                     "loop": is_short_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                      "evictions": rounds, "kept": kept, "pred": pred, **think,
                      "text_z": pack_text(text), "made_on": where})  # what was graded, and where
         done.sort(key=lambda p: p["i"])
