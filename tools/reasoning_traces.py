@@ -70,7 +70,10 @@ def check_clone(clone: str, url: str, commit: str):
     """One line naming the fix when the folder is missing, is no git repository, or lacks the commit."""
     if not Path(clone).is_dir():
         raise UsageError(f"{clone} does not exist: clone {url} there first (git clone {url} {clone})")
-    r = subprocess.run(["git", "-C", clone, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    try:
+        r = subprocess.run(["git", "-C", clone, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    except FileNotFoundError:
+        raise UsageError("git is not installed: the rebuild reads the clones with it; install git") from None
     if r.returncode:
         raise UsageError(f"{clone} is not a clone of {url} holding commit {commit[:12]}: clone it into a new folder "
                          f"(git clone {url} DIR) and pass that")
@@ -169,8 +172,6 @@ def skythought(clone: str, tok: Tokenizer) -> tuple[list[dict], int]:
 
 def build(ta: str, sky: str, tok: Tokenizer) -> tuple[bytes, list[dict], dict]:
     """The file's bytes, its rows (with their token ids) and what the build counted."""
-    check_clone(ta, TA_URL, TA_COMMIT)
-    check_clone(sky, SKY_URL, SKY_COMMIT)
     rows, mapped = thought_anchors(ta)
     sky_rows, read = skythought(sky, tok)
     out = []
@@ -229,6 +230,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         check_output("--out", args.out)  # before a minute of reading
+        check_clone(args.thought_anchors, TA_URL, TA_COMMIT)
+        check_clone(args.skythought, SKY_URL, SKY_COMMIT)
         if not (Path(args.tokenizer) / "tokenizer.json").is_file():
             raise UsageError(f"no tokenizer.json in {args.tokenizer}: run 'python weights.py --model "
                              "qwen2.5-coder-1.5b' once, or pass --tokenizer DIR with a Qwen2.5 model folder")
