@@ -36,7 +36,7 @@ from probes import FACT_NAME, build_probe, head_perturbation, head_probe, pertur
 from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
-from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
+from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_short_loop, load_data
 from traces import (check_first_turns, compare, conversation_plans, first_turn, first_turns, long_answers,
                     pack_conversations, read_traces, reasoning_traces, replay, sentence_share, sentence_summary,
                     targets, trace_cap)
@@ -195,7 +195,7 @@ def accuracy(args, job: dict, lab: dict) -> dict:
             th = tok.thought(prompt, ids)
             think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens, "think_closed": th.closed}
         done.append({"i": i, "correct": is_correct(pred, rows[i]["answer"]), "answered": pred is not None,
-                     "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                     "loop": is_short_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                      "evictions": rounds, "kept": kept, "pred": pred, **think,
                      "text_z": pack_text(text), "made_on": where})  # what was graded, and where
         done.sort(key=lambda p: p["i"])
@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces", default=None, metavar="FILE", help="instead of the model's own answers: replay the "
                    "reasoning traces of FILE (jsonl: id, problem, trace, optional labelled sentences; "
                    "data/reasoning_traces.jsonl), the first --n of --long tokens or more; sentences' importance rows")
-    p.add_argument("--loops", action="store_true", help="with --traces: keep traces that loop (tasks.loop_share), "
+    p.add_argument("--loops", action="store_true", help="with --traces: keep traces that loop (tasks.is_loop), "
                    "which are left out and named by default")
     p.add_argument("--keep-refs", action="store_true", help="keep the full cache's logits under $NANOKV_HOME/refs "
                    "when the sweep is done, for a next sweep on the same traces (another --buffer, more policies); "

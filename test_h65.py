@@ -7,7 +7,6 @@ import torch
 
 import eval as E
 import stats
-import tasks as T
 import traces as TR
 from test_all import tiny_lab  # noqa: F401  (fixture)
 
@@ -90,13 +89,6 @@ def test_sentence_summary_counts_kl_after_a_top_sentence_from_the_first_eviction
     assert s["kl_after"] == pytest.approx(4.0) and s["kl_else"] == pytest.approx(1.0)
     assert s["top"] == pytest.approx(0.6) and s["all"] == pytest.approx(0.4) and s["rho"] == pytest.approx(0.1)
     assert TR.sentence_summary(tr, [], at, kl)["top"] is None
-
-
-def test_loop_share_catches_a_long_period_and_passes_moving_text():
-    """A loop whose period is far past 64 tokens repeats its windows (share 1); text that moves on does not (0)."""
-    period = list(range(1000, 1300))  # a 300-token period, as the study's traces loop with periods up to 349
-    assert T.loop_share(list(range(200)) + period * 4) == 1.0
-    assert T.loop_share(list(range(2000))) == 0.0
 
 
 def write_traces(path, rows):

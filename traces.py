@@ -25,7 +25,7 @@ from cli import UsageError
 from generate import feed, generate, make_cache, make_run
 from model import ModelError
 from stats import spearman
-from tasks import LOOP_SHARE, loop_share
+from tasks import is_loop
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
 
@@ -223,14 +223,14 @@ def read_traces(path: str) -> list[dict]:
 def reasoning_traces(tok, path: str, n: int, min_tokens: int | None, loops: bool) -> list[dict]:
     """The first n traces of the file with at least min_tokens tokens, read by tok: the problem as the user's turn,
     rendered by the model's chat template, then the trace as the assistant's answer. A trace that loops
-    (tasks.loop_share) is left out and named, unless loops. Each keeps its sentences' token positions and importance."""
+    (tasks.is_loop) is left out and named, unless loops. Each keeps its sentences' token positions and importance."""
     out, skipped = [], []
     for row in read_traces(path):
         prompt = tok.encode(tok.chat([{"role": "user", "content": row["problem"]}]))
         said = tok.encode(row["trace"])
         if min_tokens and len(said) < min_tokens:
             continue
-        if not loops and loop_share(said) > LOOP_SHARE:
+        if not loops and is_loop(said):
             skipped.append(row["id"])
             continue
         P = len(prompt)
