@@ -18,6 +18,7 @@ per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot
 """
 
 import argparse
+import fcntl
 import os
 import sys
 import tempfile
@@ -123,13 +124,15 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     every job (main), unless --keep-refs keeps them for the next sweep. Without --out, in a temporary folder that goes
     with the sweep."""
     path = reference_path(args, lab, tr)
-    if not path.exists():
-        model, _ = model_of(args, lab)
-        logits = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at]
-        small = logits.to(model.model.norm.weight.dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(small if torch.equal(small.float(), logits) else logits, f"{path}.{os.getpid()}.tmp")
-        os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:  # two sweeps on the same traces (two lanes): one replays, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            model, _ = model_of(args, lab)
+            logits = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at]
+            small = logits.to(model.model.norm.weight.dtype)
+            torch.save(small if torch.equal(small.float(), logits) else logits, f"{path}.{os.getpid()}.tmp")
+            os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
     return torch.load(path, mmap=True)
 
 
@@ -560,7 +563,9 @@ def main(argv=None):
         rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)
         if args.cmd == "fidelity" and not args.keep_refs and not any("error" in r for r in rows):  # all done: they go
             for tr in lab.get("traces", []):
-                reference_path(args, lab, tr).unlink(missing_ok=True)
+                ref = reference_path(args, lab, tr)
+                for p in (ref, Path(f"{ref}.lock")):
+                    p.unlink(missing_ok=True)
         done = f"shard {args.shard[0]}/{args.shard[1]} in {where}" if args.shard else ""
         report(jobs, rows, done and f"{done}; when every shard is done: python eval.py merge --out {args.out}")
     except (ModelError, UsageError) as e:
