@@ -24,8 +24,8 @@ done
 machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))") || exit 1
 log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only} ($machine): $*" >> results/reasoning/run.log; }
 OUT=results/reasoning/fid_${MIN}_n${N}.json
-RUN="python eval.py fidelity --traces data/reasoning_traces.jsonl --long $MIN --n $N --model qwen2.5-coder-1.5b
-     --quant int4 --batch-size 16 --protect-prompt --keep-refs --out $OUT"
+RUN="python eval.py fidelity --traces data/reasoning_traces.jsonl --long $MIN --n $N --model qwen2.5-coder-1.5b"
+RUN+=" --quant int4 --batch-size 16 --protect-prompt --keep-refs --out $OUT"  # one line in the log
 n=0 failed=0
 step() {  # step POLICY K r
   n=$((n + 1))
