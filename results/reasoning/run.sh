@@ -31,7 +31,7 @@ n=0
 step() {  # step POLICY K r
   n=$((n + 1))
   if [ -n "$only" ]; then [ "$only" = $n ] || return 0
-  elif [ "$lane" = A ] && [ $((n % 2)) = 0 ] || [ "$lane" = B ] && [ $((n % 2)) = 1 ]; then return 0; fi
+  elif { [ "$lane" = A ] && [ $((n % 2)) = 0 ]; } || { [ "$lane" = B ] && [ $((n % 2)) = 1 ]; }; then return 0; fi
   log "start $RUN --policies $1 --budgets $2 --buffer $3"
   $RUN --policies "$1" --budgets "$2" --buffer "$3"; local rc=$?
   log "end (rc $rc) $RUN --policies $1 --budgets $2 --buffer $3"
