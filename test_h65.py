@@ -8,7 +8,7 @@ import torch
 import eval as E
 import stats
 import traces as TR
-from test_all import tiny_lab  # noqa: F401  (fixture)
+from test_all import tiny, tiny_lab  # noqa: F401  (fixtures)
 
 
 class Pieces:
@@ -132,3 +132,12 @@ def test_bad_traces_file_is_one_line(tiny_lab, tmp_path, line, msg):  # noqa: F8
     with pytest.raises(SystemExit, match=msg):
         E.main(["fidelity", "--model", tiny_lab.model, "--traces", str(tmp_path / "t.jsonl"), "--policies",
                 "snapkv", "--budgets", "96"])
+
+
+def test_replay_in_pieces_equals_one_pass(tiny):  # noqa: F811
+    """The full cache's replay fed at most `most` tokens a pass gives one pass's logits (fp32, up to rounding)."""
+    from generate import make_run
+
+    ids = torch.randint(0, 101, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    run = lambda: make_run("full", None, 16, None, 1)
+    torch.testing.assert_close(TR.replay(tiny, ids, run(), most=37), TR.replay(tiny, ids, run()), atol=1e-5, rtol=1e-5)

@@ -323,13 +323,15 @@ def targets(trace: dict) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def replay(model, ids: list[int], run, start: int = 0):
-    """Teacher-force ids through run's cache on the generation cadence; logits [T - start, V] from `start`."""
+def replay(model, ids: list[int], run, start: int = 0, most: int | None = None):
+    """Teacher-force ids through run's cache on the generation cadence; logits [T - start, V] from `start`. most: at
+    most this many tokens a forward pass (the full cache's replay of a long trace is otherwise one pass, whose
+    activations and logits take gigabytes)."""
     cache = make_cache(model, run, len(ids))
     x = torch.tensor([ids], device=model.device)
     if start:
-        feed(model, cache, x[:, :start], run)
-    return feed(model, cache, x[:, start:], run, all_logits=True)[0]
+        feed(model, cache, x[:, :start], run, most=most)
+    return feed(model, cache, x[:, start:], run, all_logits=True, most=most)[0]
 
 
 def compare(ref: torch.Tensor, logits: torch.Tensor, nxt: torch.Tensor, rows: int = 4, at: bool = False) -> dict:
