@@ -116,6 +116,11 @@ def traces(args, lab: dict) -> list[dict]:
 # the measurements: each maps one job to its row's result fields
 
 
+# another model's traces run to thousands of tokens: replayed at most 1,024 a pass (the same logits up to rounding,
+# in a fraction of the memory); the study's own traces keep the passes their rows were made with
+REPLAY_MOST = 1024
+
+
 def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     """The full cache's logits on a trace at positions `at`, [N, V], computed once per trace and kept on disk in the
     dtype the model computed them in (bf16: half of fp32, and exact), memory-mapped back. A sweep that saves to --out
@@ -129,15 +134,21 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             model, _ = model_of(args, lab)
-            # another model's traces run to thousands of tokens: replayed 1,024 at a time (the same logits up to
-            # rounding, in a quarter of the memory at 4k); the study's own traces keep their one pass
-            most = 1024 if getattr(args, "traces", None) else None
-            logits = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1), most=most)[at]
-            small = logits.to(model.model.norm.weight.dtype)  # the same tensor where the model computes in it
-            exact = small.dtype == logits.dtype or torch.equal(small.float(), logits)
-            torch.save(small if exact else logits, f"{path}.{os.getpid()}.tmp")
+            most = REPLAY_MOST if getattr(args, "traces", None) else None
+            logits = rows_at(replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1), most=most), at)
+            small = logits.to(model.model.norm.weight.dtype)
+            exact = all(torch.equal(small[i : i + 256].float(), logits[i : i + 256])  # a piece at a time: no
+                        for i in range(0, len(small), 256))  # second fp32 copy of a long trace's logits
+            torch.save(small if exact else logits.clone(), f"{path}.{os.getpid()}.tmp")
             os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
     return torch.load(path, mmap=True)
+
+
+def rows_at(logits: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] at positions `at`: a view where they run contiguously (a single trace's span), else a copy."""
+    if len(at) and at[-1] - at[0] + 1 == len(at):
+        return logits[at[0] : at[-1] + 1]
+    return logits[at]
 
 
 def reference_path(args, lab: dict, tr: dict) -> Path:
@@ -161,7 +172,8 @@ def fidelity(args, job: dict, lab: dict) -> dict:
         run = run_for(job, args, tr["prompt_len"])
         kept = kept_share(run)
         rounds = sentence_share(run, tr) if tr.get("sentences") else None  # which sentences each round keeps
-        logits = ref if job["policy"] == "full" else replay(model, tr["ids"], run)[at]  # full: KL 0
+        most = REPLAY_MOST if getattr(args, "traces", None) else None
+        logits = ref if job["policy"] == "full" else rows_at(replay(model, tr["ids"], run, most=most), at)  # full: 0
         c = compare(ref, logits, nxt, at=rounds is not None)
         kl_at = c.pop("kl_at", None)
         done.append({**c, "tokens": len(at), "evictions": run.rounds[0],
