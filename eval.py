@@ -18,6 +18,7 @@ per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot
 """
 
 import argparse
+import fcntl
 import os
 import sys
 import tempfile
@@ -36,9 +37,10 @@ from probes import FACT_NAME, build_probe, head_perturbation, head_probe, pertur
 from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
                      run_jobs, shard_arg, todo, write_json)
 from stats import markdown, paired, paired_accuracy
-from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_loop, load_data
+from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_short_loop, load_data
 from traces import (check_first_turns, compare, conversation_plans, first_turn, first_turns, long_answers,
-                    pack_conversations, replay, targets, trace_cap)
+                    pack_conversations, read_traces, reasoning_traces, replay, sentence_share, sentence_summary,
+                    targets, trace_cap)
 from weights import MODEL_HOME
 
 ASK = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -93,6 +95,9 @@ def traces(args, lab: dict) -> list[dict]:
            "max_new_tokens": args.max_new_tokens, **settings, **({"long": long} if long else {})}
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json(path, dict) if path and path.exists() else {}
+    if getattr(args, "traces", None):  # another model's reasoning, read by this one: nothing to generate or save
+        lab["traces"] = reasoning_traces(model_of(args, lab)[1], args.traces, args.n, long, args.loops)
+        return lab["traces"]
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
         questions = [r["question"] for r in load_data(args.data)]
@@ -111,6 +116,11 @@ def traces(args, lab: dict) -> list[dict]:
 # the measurements: each maps one job to its row's result fields
 
 
+# another model's traces run to thousands of tokens: replayed at most 1,024 a pass (the same logits up to rounding,
+# in a fraction of the memory); the study's own traces keep the passes their rows were made with
+REPLAY_MOST = 1024
+
+
 def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     """The full cache's logits on a trace at positions `at`, [N, V], computed once per trace and kept on disk in the
     dtype the model computed them in (bf16: half of fp32, and exact), memory-mapped back. A sweep that saves to --out
@@ -119,14 +129,26 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
     every job (main), unless --keep-refs keeps them for the next sweep. Without --out, in a temporary folder that goes
     with the sweep."""
     path = reference_path(args, lab, tr)
-    if not path.exists():
-        model, _ = model_of(args, lab)
-        logits = replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1))[at]
-        small = logits.to(model.model.norm.weight.dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(small if torch.equal(small.float(), logits) else logits, f"{path}.{os.getpid()}.tmp")
-        os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:  # two sweeps on the same traces (two lanes): one replays, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            model, _ = model_of(args, lab)
+            most = REPLAY_MOST if getattr(args, "traces", None) else None
+            logits = rows_at(replay(model, tr["ids"], make_run("full", None, args.buffer, None, 1), most=most), at)
+            small = logits.to(model.model.norm.weight.dtype)
+            exact = all(torch.equal(small[i : i + 256].float(), logits[i : i + 256])  # a piece at a time: no
+                        for i in range(0, len(small), 256))  # second fp32 copy of a long trace's logits
+            torch.save(small if exact else logits.clone(), f"{path}.{os.getpid()}.tmp")
+            os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
     return torch.load(path, mmap=True)
+
+
+def rows_at(logits: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] at positions `at`: a view where they run contiguously (a single trace's span), else a copy."""
+    if len(at) and at[-1] - at[0] + 1 == len(at):
+        return logits[at[0] : at[-1] + 1]
+    return logits[at]
 
 
 def reference_path(args, lab: dict, tr: dict) -> Path:
@@ -149,15 +171,24 @@ def fidelity(args, job: dict, lab: dict) -> dict:
         ref = reference(args, lab, tr, at)
         run = run_for(job, args, tr["prompt_len"])
         kept = kept_share(run)
-        logits = ref if job["policy"] == "full" else replay(model, tr["ids"], run)[at]  # full: KL 0
-        done.append({**compare(ref, logits, nxt), "tokens": len(at), "evictions": run.rounds[0],
-                     "kept": kept(0, len(tr["ids"]) - tr["prompt_len"] + 1)})  # every token after the prompt was fed
+        rounds = sentence_share(run, tr) if tr.get("sentences") else None  # which sentences each round keeps
+        most = REPLAY_MOST if getattr(args, "traces", None) else None
+        logits = ref if job["policy"] == "full" else rows_at(replay(model, tr["ids"], run, most=most), at)  # full: 0
+        c = compare(ref, logits, nxt, at=rounds is not None)
+        kl_at = c.pop("kl_at", None)
+        done.append({**c, "tokens": len(at), "evictions": run.rounds[0],
+                     "kept": kept(0, len(tr["ids"]) - tr["prompt_len"] + 1),  # every token after the prompt was fed
+                     **({"sentences": sentence_summary(tr, rounds, at, kl_at)} if rounds is not None else {})})
         progress.save(per_trace=done)
     total = lambda field: sum(t[field] for t in done)
     n = total("tokens")
     return {"kl": total("kl") / n, "top1": total("top1") / n, "nll_gap": total("gap") / n, "tokens": n,
             "kl_by_trace": [t["kl"] / t["tokens"] for t in done],  # paired by trace: the same traces for every policy
-            "mean_evictions": total("evictions") / len(done), "mean_kept": total("kept") / len(done)}
+            "mean_evictions": total("evictions") / len(done), "mean_kept": total("kept") / len(done),
+            **({"trace_ids": [tr["id"] for tr in traces(args, lab)]} if getattr(args, "traces", None) else {}),
+            # per trace (None: no sentence labels), paired by trace as kl_by_trace (traces.sentence_summary)
+            **({"sentences_by_trace": [t.get("sentences") for t in done]} if any("sentences" in t for t in done)
+               else {})}
 
 
 def accuracy(args, job: dict, lab: dict) -> dict:
@@ -183,7 +214,7 @@ def accuracy(args, job: dict, lab: dict) -> dict:
             th = tok.thought(prompt, ids)
             think = {"think_tokens": th.tokens, "answer_tokens": len(ids) - th.tokens, "think_closed": th.closed}
         done.append({"i": i, "correct": is_correct(pred, rows[i]["answer"]), "answered": pred is not None,
-                     "loop": is_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
+                     "loop": is_short_loop(ids, args.max_new_tokens, tok.eos_ids), "tokens": len(ids), "stop": stop,
                      "evictions": rounds, "kept": kept, "pred": pred, **think,
                      "text_z": pack_text(text), "made_on": where})  # what was graded, and where
         done.sort(key=lambda p: p["i"])
@@ -330,6 +361,9 @@ def make_jobs(args) -> list[dict]:
         extra |= {"min_tokens": args.min_tokens, "fact": FACT_NAME, "scored": "digits"}  # not the space before them
     if args.cmd in ("fidelity", "perturbation"):
         extra = {"min_tokens": args.min_tokens, **({"long": args.long} if args.long else {})}  # old rows keep keys
+    if getattr(args, "traces", None):  # another model's traces, named by content as data is; no --min-tokens
+        extra = {"replay": "traces", **({"long": args.long} if args.long else {}), **({"loops": True} if args.loops
+                                                                                       else {})}
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
         extra = {"grading": grading(load_data(args.data))}
         # a refilled batch mixes other rows beside each problem than --no-refill's, which bf16 or int4 matmuls may
@@ -347,11 +381,22 @@ def check_jobs(args, jobs: list[dict], lab: dict):
     for flag in ("n", "max_new_tokens", "batch_size", "min_tokens", "gap", "long"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
-    rows = load_data(args.data)
-    check_n(args, rows)
     model, tok = model_of(args, lab)
     limit = model.cfg.max_position_embeddings
     long = getattr(args, "long", None)
+    if getattr(args, "traces", None):  # read, not generated: each must fit the model's positions
+        for j in jobs:
+            run_for(j, args, [1])  # a bad --budget / --buffer stops here, before the traces are tokenized
+        trs = traces(args, lab)
+        longest = max(len(tr["ids"]) for tr in trs)
+        if longest > limit:
+            raise UsageError(f"a trace of {args.traces} needs {longest} positions, past the model's {limit}: pass "
+                             "shorter traces (or a --long range that leaves it out)")
+        for j in jobs:
+            run_for(j, args, [tr["prompt_len"] for tr in trs])
+        return
+    rows = load_data(args.data)
+    check_n(args, rows)
     if long:  # single long answers: any problem of the file may be one, and its answer must fit; the prompts that
         # --protect-prompt keeps are those of the answers found (generated here, once: they are saved with --out)
         if long > args.max_new_tokens:
@@ -448,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", type=int, default=None, metavar="T", help="instead of packed conversations: one problem "
                    "each, the first --n of --data whose greedy full-cache answer (up to --max-new-tokens) runs to T "
                    "tokens or more (long-trace fidelity)")
+    p.add_argument("--traces", default=None, metavar="FILE", help="instead of the model's own answers: replay the "
+                   "reasoning traces of FILE (jsonl: id, problem, trace, optional labelled sentences; "
+                   "data/reasoning_traces.jsonl), the first --n of --long tokens or more; sentences' importance rows")
+    p.add_argument("--loops", action="store_true", help="with --traces: keep traces that loop (tasks.is_loop), "
+                   "which are left out and named by default")
     p.add_argument("--keep-refs", action="store_true", help="keep the full cache's logits under $NANOKV_HOME/refs "
                    "when the sweep is done, for a next sweep on the same traces (another --buffer, more policies); "
                    "the last one without this flag removes them")
@@ -505,7 +555,13 @@ def main(argv=None):
             jobs, job_cost = bench.jobs(args), bench.cost
             measure = lambda job: bench.measure(job, args.model)
         else:
-            load_data(args.data)  # fail on a bad file before loading the model
+            if getattr(args, "traces", None):  # the traces' file names the rows' data
+                read_traces(args.traces)
+                args.data = args.traces
+            elif getattr(args, "loops", False):
+                raise UsageError("--loops keeps looping traces of --traces FILE: pass --traces, or drop --loops")
+            else:
+                load_data(args.data)  # fail on a bad file before loading the model
             args.model = local_model(args.model)  # as for bench
             if args.batch_size is None:
                 args.batch_size = 64 if torch.device(resolve_device(args.device, args.dtype, args.quant)[0]).type == \
@@ -523,7 +579,9 @@ def main(argv=None):
         rows = run_jobs(jobs, measure, args.out, args.shard, job_cost, desc=args.cmd)
         if args.cmd == "fidelity" and not args.keep_refs and not any("error" in r for r in rows):  # all done: they go
             for tr in lab.get("traces", []):
-                reference_path(args, lab, tr).unlink(missing_ok=True)
+                ref = reference_path(args, lab, tr)
+                for p in (ref, Path(f"{ref}.lock")):
+                    p.unlink(missing_ok=True)
         done = f"shard {args.shard[0]}/{args.shard[1]} in {where}" if args.shard else ""
         report(jobs, rows, done and f"{done}; when every shard is done: python eval.py merge --out {args.out}")
     except (ModelError, UsageError) as e:

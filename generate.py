@@ -226,16 +226,17 @@ def evict_due(model, cache: KVCache, run: Run):
 
 
 def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = None,
-         all_logits: bool = False) -> Tensor:
+         all_logits: bool = False, most: int | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """Run tokens [B, T] through the model, row b taking its first n[b] (default all T), in chunks that fit the
-    cache and end where a row's eviction is due; each row evicts when it holds run.due(row) slots.
-    Returns every position's logits [B, T, V] (all_logits), else each row's last real position's [B, 1, V]."""
+    cache, end where a row's eviction is due and hold at most `most` tokens (a long replay's memory); each row evicts
+    when it holds run.due(row) slots. Returns every position's logits [B, T, V] (all_logits), else each row's last
+    real position's [B, 1, V], in `dtype` (default the model's output's, fp32)."""
     B, T = tokens.shape
     n, done = ([T] * B if n is None else list(n)), [0] * B
     out_logits = None
     while any(d < m for d, m in zip(done, n)):
         # as far as the cache holds, and no further than where a row's eviction is due
-        take = [min(m - d, cache.capacity - l, m if run.budget is None else run.due(row) - l)
+        take = [min(m - d, cache.capacity - l, m if run.budget is None else run.due(row) - l, most or m)
                 for m, d, l, row in zip(n, done, cache.length, cache.rows)]
         if any(t <= 0 < m - d for t, m, d in zip(take, n, done)):
             raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
@@ -254,7 +255,7 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = 
         run.max_slots = max(run.max_slots, *cache.length)
         evict_due(model, cache, run)
         if out_logits is None:
-            out_logits = out.logits.new_zeros(B, T if all_logits else 1, out.logits.shape[-1])
+            out_logits = out.logits.new_zeros(B, T if all_logits else 1, out.logits.shape[-1], dtype=dtype)
         for b, (d, t) in enumerate(zip(done, take)):  # each row's real logits go to its own columns
             if t and all_logits:
                 out_logits[b, d : d + t] = out.logits[b, :t]

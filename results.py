@@ -110,8 +110,14 @@ LATER = {"text_z": text, "made_on": text, "think_tokens": integer, "answer_token
          "think_closed": maybe(flag)}
 problem = lambda p: isinstance(p, dict) and PROBLEM.keys() <= p.keys() <= PROBLEM.keys() | LATER.keys() and all(
     ok(p[k]) for k, ok in (PROBLEM | LATER).items() if k in p)
+# a labelled trace's sentence measures (traces.sentence_summary); None where a trace never evicted
+SENTENCES = {k: maybe(num) for k in ("top", "all", "rho", "kl_after", "kl_else")} | {
+    f"{k}_by_layer": maybe(list_of(maybe(num))) for k in ("top", "all", "rho")}
+sentences = lambda s: s is None or isinstance(s, dict) and s.keys() == SENTENCES.keys() and all(
+    ok(s[k]) for k, ok in SENTENCES.items())
 TRACE = {"kl": num, "top1": num, "gap": num, "tokens": integer, "evictions": integer, "kept": num}  # fidelity's sums
-trace = lambda t: isinstance(t, dict) and t.keys() == TRACE.keys() and all(ok(t[k]) for k, ok in TRACE.items())
+trace = lambda t: isinstance(t, dict) and TRACE.keys() <= t.keys() <= TRACE.keys() | {"sentences"} and all(
+    ok(t[k]) for k, ok in (TRACE | {"sentences": sentences}).items() if k in t)
 FIELDS = {  # the fields that code reads back (tables, paired statistics, figures); any other must be a plain JSON value
     "task": text, "policy": text, "budget": maybe(positive), "kl": num, "accuracy": num, "context": integer,
     "batch": integer, "ms_per_step": num, "kl_by_trace": list_of(num), "per_trace": list_of(trace),
@@ -120,7 +126,8 @@ FIELDS = {  # the fields that code reads back (tables, paired statistics, figure
     "logprob_by_set": list_of(num), "model": text, "data": text, "data_sha": text, "n": positive,
     "buffer": maybe(integer), "protect": maybe(flag), "top1": num, "nll_gap": num, "tokens": integer, "recall": num,
     "logprob": num, "heads": integer, "gap_tokens": num, "l1_window": maybe(num), "l1_next": maybe(num),
-    "better_window": maybe(num), "better_next": maybe(num),
+    "better_window": maybe(num), "better_next": maybe(num), "trace_ids": list_of(text),
+    "sentences_by_trace": list_of(sentences),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 

@@ -176,3 +176,23 @@ def markdown(rows: list[dict], keys=()) -> str:
     lines = [" ".join(f"{c}={fmt(rows[0][c])}" for c in same)] if same else []
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
+
+
+# -----------------------------------------------------------------------------
+# rank correlation (which sentences a policy keeps)
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 0 .. n-1 of x, ties given their mean rank: [3., 1., 3., 2.] -> [2.5, 0., 2.5, 1.]."""
+    r = torch.empty(len(x), dtype=torch.double)
+    r[x.argsort()] = torch.arange(len(x), dtype=torch.double)
+    uniq, inv = torch.unique(x, return_inverse=True)
+    return torch.zeros(len(uniq), dtype=torch.double).index_add_(0, inv, r)[inv] / torch.bincount(inv)[inv]
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of a and b (Pearson's on their tie-averaged ranks); NaN if either has no spread."""
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = (ra.square().sum() * rb.square().sum()).sqrt()
+    return (ra * rb).sum().item() / den.item() if den > 0 else math.nan

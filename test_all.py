@@ -1853,7 +1853,7 @@ def test_last_boxed_nested():
 ])
 def test_loop_detector(ids, loops):
     """A loop: the cap reached without an end token, and the last 128 tokens periodic with period <= 64."""
-    assert T.is_loop(ids, 150 if len(ids) != 120 else 150, eos_ids=(0,)) == loops
+    assert T.is_short_loop(ids, 150 if len(ids) != 120 else 150, eos_ids=(0,)) == loops
 
 
 # -----------------------------------------------------------------------------

@@ -170,40 +170,41 @@ def cost_line(path: Path) -> str:
                         for p in EPI))
 
 
-def tables(d: Path) -> tuple[dict, list]:
+def tables(d: Path, long: Path | None = None, K: int = 512) -> tuple[dict, list]:
     """Each paper -> its rows (comparison, paper's figure, a Cell, a (figure, verdict) pair, or None), and the
-    settings' (name, accuracy rows) for the machines and the detectable differences."""
+    settings' (name, accuracy rows) for the machines and the detectable differences. long: the long-trace rows in
+    place of the study's own (e.g. eval.py fidelity --traces on public reasoning traces), at budget K."""
     gsm = accuracy_rows([d / "curve_q15.json"], by_buffer=True)  # (policy, K, protect, buffer)
     math = accuracy_rows([d / "math_q15.json"], by_buffer=True)
-    fid = fidelity_rows([d / "longfid_q15.json"], by_protect=True)  # (policy, K, r, protect)
+    fid = fidelity_rows([long or d / "longfid_q15.json"], by_protect=True)  # (policy, K, r, protect)
     rows = [r for r in tool_rows([p for p in [d / "fidelity_q15.json"] if p.exists()],
                                  {"perturbation": CLAIMS_NEEDS["perturbation"]}) if r["task"] == "perturbation"]
     one_setting(rows, "the perturbation rows")
     per = {r["policy"]: r for r in reversed(rows) if r["budget"] == 192}
     P = lambda p, K=192, r=16: (p, K, True, r)  # a protected GSM8K row
-    G, M, L = "GSM8K, K = 192, r = 16", "MATH-500, K = 416", "long traces, K = 512, r = 64"
+    G, M, L = "GSM8K, K = 192, r = 16", "MATH-500, K = 416", f"long traces, K = {K}, r = 64"
     ra = []
     for b in RA:
         ra += [(f"random vs {b}, {G}", PAPER["random"], acc(gsm, P("random"), P(b), "parity", Parity)),
                (f"random vs {b}, {M}", PAPER["random"], acc(math, P("random", 416), P(b, 416), "parity", Parity)),
-               (f"random vs {b}, {L}", PAPER["random"], fid_pair(fid, "random", b, 512, 64, "parity", Parity))]
+               (f"random vs {b}, {L}", PAPER["random"], fid_pair(fid, "random", b, K, 64, "parity", Parity))]
     spread = spread_line(gsm, 192, ("random",) + RA, (16,))
     ra.append((f"protection before scoring: the spread, {G}", PAPER["spread"],
                spread and (spread.split(": **")[0], spread.split("**")[1] + " (bootstrap only)")))
     ckv = []
     for a, b in (("criticalkv", "snapkv"), ("criticalkv-ada", "adakv")):
         ckv += [(f"{a} vs {b}, {G}", PAPER["criticalkv"], acc(gsm, P(a), P(b), "above")),
-                (f"{a} vs {b}, {L}", PAPER["criticalkv"], fid_pair(fid, a, b, 512, 64, "below")),
+                (f"{a} vs {b}, {L}", PAPER["criticalkv"], fid_pair(fid, a, b, K, 64, "below")),
                 (f"loss ratio (full − {a}) / (full − {b}), {G}", PAPER["ratio"], acc_ratio(gsm, P(a), P(b))),
-                (f"KL ratio {a} / {b}, {L}", PAPER["ratio"], kl_ratio(fid, a, b, 512, 64)),
+                (f"KL ratio {a} / {b}, {L}", PAPER["ratio"], kl_ratio(fid, a, b, K, 64)),
                 (f"{a} vs {b}, perturbation share, GSM8K conversations (fp32), K = 192", PAPER["share"],
                  share_line(per, a, b))]
     vase = [row for b in ("curdkv-fixed", "curdkv") for row in (
         (f"vase-dkv vs {b}, {G}", PAPER[b], acc(gsm, P("vase-dkv"), P(b), "above")),
-        (f"vase-dkv vs {b}, {L}", PAPER[b], fid_pair(fid, "vase-dkv", b, 512, 64, "below")))]
+        (f"vase-dkv vs {b}, {L}", PAPER[b], fid_pair(fid, "vase-dkv", b, K, 64, "below")))]
     epi = [row for b in ("h2o", "raas", "lagkv", "scissorhands") for row in (
-        (f"epikv vs {b}, long traces, K = 512, r = 128", PAPER["h2o" if b == "h2o" else "epikv"],
-         fid_pair(fid, "epikv", b, 512, 128, "below")),
+        (f"epikv vs {b}, long traces, K = {K}, r = {K // 4}", PAPER["h2o" if b == "h2o" else "epikv"],
+         fid_pair(fid, "epikv", b, K, K // 4, "below")),
         (f"epikv vs {b}, GSM8K, K = 192, r = 48", PAPER["h2o" if b == "h2o" else "epikv"],
          acc(gsm, P("epikv", 192, 48), P(b, 192, 48), "above")))]
     epi.append(("ThinKV", "71 % (MATH-500, K = 4096)", ("cannot be built (no public code; it mixes 2/4-bit "
@@ -218,10 +219,16 @@ def main(argv=None):
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     ap.add_argument("--bench", default=str(BENCH), help="eval.py bench rows for EPIKV's cost (default "
                     "results/issue51/bench_q15_int4.json)")
+    ap.add_argument("--long", default=None, metavar="FILE", help="long-trace rows in place of the study's "
+                    "longfid_q15.json: e.g. eval.py fidelity --traces on public reasoning traces (results/reasoning/)")
+    ap.add_argument("--long-budget", type=int, default=512, metavar="K", help="the long-trace cells' K (r = 64, and "
+                    "K/4 for EPIKV's; default 512)")
     args = ap.parse_args(argv)
     try:
         d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
-        papers, settings, fid = tables(d)
+        if args.long and not Path(args.long).is_file():
+            raise UsageError(f"--long {args.long}: no such file (the --out of eval.py fidelity --traces)")
+        papers, settings, fid = tables(d, args.long and Path(args.long), args.long_budget)
         cost = cost_line(Path(args.bench))
     except UsageError as e:
         sys.exit(f"error: {e}")
