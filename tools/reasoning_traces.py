@@ -117,11 +117,17 @@ def thought_anchors(clone: str) -> tuple[list[dict], dict]:
                 problem, solution = read("problem.json"), read("base_solution.json")
                 chunks = read("chunks_labeled.json")
                 # the writer saw its prompt end with <think>; full_cot is that prompt and the text it wrote
-                assert solution["prompt"].endswith(THINK) and solution["full_cot"] == solution["prompt"] + \
-                    solution["solution"], f"{base + p}: base_solution.json's layout changed"
+                if not solution["prompt"].endswith(THINK) or \
+                        solution["full_cot"] != solution["prompt"] + solution["solution"]:
+                    raise UsageError(f"{base + p}/base_solution.json: its prompt, full_cot and solution do not fit "
+                                     "together as at the commit: check the clone")
                 trace = THINK + solution["solution"]
-                spans, verbatim = chunk_spans(solution["solution"], [c["chunk"] for c in chunks])
-                assert [c["chunk_idx"] for c in chunks] == list(range(len(chunks))), f"{base + p}: chunks out of order"
+                if [c["chunk_idx"] for c in chunks] != list(range(len(chunks))):
+                    raise UsageError(f"{base + p}/chunks_labeled.json: chunks out of order: check the clone")
+                try:
+                    spans, verbatim = chunk_spans(solution["solution"], [c["chunk"] for c in chunks])
+                except UsageError as e:
+                    raise UsageError(f"{base + p}/chunks_labeled.json: {e}") from None
                 mapped["chunks"] += len(chunks)
                 mapped["verbatim"] += verbatim
                 rows.append({
@@ -152,7 +158,9 @@ def skythought(clone: str, tok: Tokenizer) -> tuple[list[dict], int]:
     pool, read = [], 0
     for writer, name in SKY_FILES:
         path = f"{SKY_DIR}/{writer}/{name}_eval/{name}/test_Sky-T1_-1_seed0_t0.0_s0_e-1.jsonl"
-        for line in git_show(clone, SKY_COMMIT, path).decode("utf-8").splitlines():
+        for line in git_show(clone, SKY_COMMIT, path).decode("utf-8").split("\n"):  # not splitlines: see load_data
+            if not line.strip():
+                continue
             r = json.loads(line)
             read += 1
             trace = r["code"][0]
@@ -163,7 +171,7 @@ def skythought(clone: str, tok: Tokenizer) -> tuple[list[dict], int]:
                 "id": f"sky/{writer}/{name}/{r['idx']}", "source": "skythought", "writer": writer,
                 "problem": r["question"], "gold": r["gt"], "trace": trace, "correct": r["score"][0]}))
     pool.sort(key=lambda x: x[0])
-    short = [key for key, n, _ in pool if n < SKY_LONG][::SKY_EVERY]
+    short = set([key for key, n, _ in pool if n < SKY_LONG][::SKY_EVERY])
     return [row for key, n, row in pool if n >= SKY_LONG or key in short], read  # in the pool's order
 
 
@@ -182,8 +190,9 @@ def build(ta: str, sky: str, tok: Tokenizer) -> tuple[bytes, list[dict], dict]:
             raise UsageError(f"{row['id']} loops (repeat share {share:.3f}): the selection is broken")
         # fields in one order for every line: the file is compared byte for byte
         line = {k: row[k] for k in ("id", "source", "writer", "problem", "gold", "trace", "correct")}
-        line.update(n_tokens=len(ids), repeat_share=round(share, 4), **({"chunks": row["chunks"]} if "chunks" in row
-                                                                         else {}))
+        line.update(n_tokens=len(ids), repeat_share=round(share, 4))
+        if "chunks" in row:
+            line["chunks"] = row["chunks"]
         out.append((line, ids))
     text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line, _ in out)
     return text.encode("utf-8"), out, {**mapped, "sky_read": read}
