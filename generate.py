@@ -102,6 +102,8 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     p = POLICIES[policy]
+    if stats_file is not None:  # '' included: an empty flag is a mistake, not "none"
+        check_stats_file(stats_file, policy, p)
     if p.score is None:
         if budget is not None:
             raise UsageError("--budget has no effect with --policy full (it keeps every token): "
@@ -119,8 +121,6 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
-    if stats_file is not None:  # '' included: an empty flag is a mistake, not "none"
-        check_stats_file(stats_file, policy, p)
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [],
                stats_file=stats_file)
 
