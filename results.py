@@ -163,7 +163,7 @@ def consistent(row: dict, partial: bool = False) -> str | None:
     progress file's row (partial) holds some of them, each once. e.g. a 100-problem row whose problems all say i = 0
     is one problem counted 100 times, and a KL list cut to 1 of 12 traces pairs one trace with another's."""
     n = row.get("n")
-    if "per_problem" in row:
+    if row.get("per_problem"):  # an empty one: the readers that pair say "holds no problems" (one_setting, regrade)
         seen = [p["i"] for p in row["per_problem"]]
         twice = next((i for k, i in enumerate(seen) if i in seen[:k]), None)
         if twice is not None:
