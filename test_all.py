@@ -4138,7 +4138,8 @@ OTHER_SETTING = [
     ("claims", ["{d}/a.json", "{d}/b.json"], {"a.json": [acc_row(model="0.5b")], "b.json": [acc_row("snapkv")]},
      'row 1 has model "0.5b", {d}/b.json row 1 "m"'),
     ("claims", ["{d}/a.json"], {"a.json": [acc_row(), acc_row("snapkv", dtype="torch.bfloat16")]}, "has dtype"),
-    ("claims", ["{d}/a.json", "{d}/b.json"], {"a.json": [acc_row()], "b.json": [acc_row("snapkv", (1, 0, 1, 0, 1))]}, "has n 4"),
+    ("claims", ["{d}/a.json", "{d}/b.json"], {"a.json": [acc_row()], "b.json": [acc_row("snapkv", (1, 0, 1, 0, 1))]},
+     "has n 4"),
     ("claims", ["{d}/a.json"], {"a.json": [acc_row(), acc_row("snapkv", data_sha="y")]}, "has data_sha"),
     ("replication", ["--study", "{d}"], {"claims_q05.json": [acc_row(), acc_row("snapkv", quant="int4")]}, "quant"),
     ("compare_modes", ["accuracy", "--exact", "{d}/a.json", "--fast", "{d}/b.json"],
@@ -4190,12 +4191,12 @@ BAD_TOOL_INPUT = [
     ("compare_modes", ["fidelity", "--n", "0"], {}, "--n must be at least 1"),
     ("compare_modes", ["error", "--model", "nope"], {}, "unknown model 'nope'"),
     ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
-        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[dict(acc_row()["per_problem"][0], text_z="not base64!")]
-        + acc_row()["per_problem"][1:])])},
+        acc_row(data_sha=GSM_SHA, grading=1), n=1,
+        per_problem=[dict(acc_row()["per_problem"][0], text_z="not base64!")])])},
      "a.json row 1: problem 0's text_z is damaged"),
     ("regrade", ["{d}/a.json", "--data-dir", "{d}"], {"d.jsonl": GSM, "a.json": json.dumps([dict(
-        acc_row(data_sha=GSM_SHA, grading=1), per_problem=[dict(acc_row()["per_problem"][0], text_z="aGVsbG8=")]
-        + acc_row()["per_problem"][1:])])},
+        acc_row(data_sha=GSM_SHA, grading=1), n=1,
+        per_problem=[dict(acc_row()["per_problem"][0], text_z="aGVsbG8=")])])},
      "problem 0's text_z is damaged"),  # base64, not of zlib
     ("regrade", ["{d}/a.json"], {"a.json": json.dumps([{k: v for k, v in acc_row().items() if k != "data"}])},
      "has no 'data'"),
