@@ -84,8 +84,8 @@ def check_map(m: dict, where: Path) -> dict:
           and all(isinstance(h, list) and all(integer(x) and 0 <= x < m["positions"] for x in h) for h in m["heads"]))
     if not ok:
         raise UsageError(f"{where}: a kept map needs policy (a name), budget (K, or null for the full cache), "
-                         "positions, prompt_len, buffer, layer and heads (per KV head the positions it holds): write it "
-                         "again with generate.py --kept-json")
+                         "positions, prompt_len, buffer, layer and heads (per KV head the positions it holds): write "
+                         "it again with generate.py --kept-json")
     n, P, r = m["positions"], m["prompt_len"], m["buffer"]
     twice = [h for h, held in enumerate(m["heads"]) if len(set(held)) < len(held)]
     bad = ("it holds no positions" if n < 1 else f"its prompt ({P} tokens) is not within its {n} positions"
