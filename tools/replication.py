@@ -15,6 +15,8 @@ A claim of parity (a does as well as b):
   the whole interval is further below, not separated otherwise;
 - in KL (lower is better): holds when the interval lies below 0, does not hold when it lies above, not separated
   when it holds 0.
+On the margin: a bound so near 0 or the margin that another bootstrap seed could give another verdict (within its
+Monte Carlo band, stats.bootstrap); with 12 or fewer items the bootstrap is enumerated exactly, so never there.
 Cannot be tested here: the setting lacks the rows the comparison needs. The directional comparisons form one family
 for Holm's correction (their sign tests); a parity verdict rests on its interval, not on a test of difference, and
 the spread's on its bootstrap interval alone, so neither enters the family.
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 from cli import Parser, UsageError  # noqa: E402
 from results import PAIRED, one_setting, tool_rows  # noqa: E402
-from stats import bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
+from stats import EXACT, bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
@@ -235,6 +237,8 @@ def main(argv=None):
             print(f"- K = {k}: {accs}; " + "; ".join(map(mark, budget[k])))
     print(f"\n{len(every)} comparisons: {len(family)} directional, {sum(survive.values())} of them significant after "
           f"Holm's correction across those {len(family)} (alpha = 0.05); {len(every) - len(family)} of parity.")
+    print(f"Intervals over {EXACT} or fewer items (traces) are exact bootstraps, every resample enumerated; over more, "
+          "10,000 resamples, and a verdict that a bound's Monte Carlo error could flip reads \"on the margin\".")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ MATH-500, K = 416) or the same 12 long traces (fidelity, K = 512). Each row: the
 nanokv's (a - b with its paired bootstrap 95 % interval and exact sign test, tools/replication.py's Cell) and the
 verdict; "not run" where a row is missing. Directional cells use replication.py's rule and form the Holm family (their
 sign tests). Parity cells ("random matches ...") use a two-sided margin fixed in advance (below) and rest on their
-interval, as do the spread, the loss ratios and the perturbation shares: none of them enters Holm.
+interval, as do the spread, the loss ratios and the perturbation shares: none of them enters Holm. Intervals over 12 or
+fewer items (the long traces) are exact, every bootstrap resample enumerated; over more, a verdict that the bounds'
+Monte Carlo error could flip reads "on the margin" (replication.settle).
 """
 
 import sys
@@ -24,7 +26,7 @@ from cli import Parser, UsageError  # noqa: E402
 from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines, settle,  # noqa: E402
                          spread_line, study_folder)
 from results import one_setting, tool_rows  # noqa: E402
-from stats import holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
+from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
@@ -270,6 +272,9 @@ def main(argv=None):
           f"{ACC_MARGIN} in accuracy, ±{KL_MARGIN:.0%} of b's mean KL, both fixed on 5 December 2026 before these "
           "comparisons ran), the spread, the loss ratios and the perturbation shares rest on their intervals or "
           "counts and do not enter it.")
+    print(f"Bootstrap intervals over {EXACT} or fewer items (the long traces) are exact: every resample enumerated "
+          "with its chance, so no seed moves them. Over more, 10,000 resamples; a verdict that the Monte Carlo error of "
+          "a bound (the 95 % band of its order statistic) could flip reads \"on the margin\".")
 
 
 if __name__ == "__main__":
