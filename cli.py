@@ -142,6 +142,22 @@ def made_on(device: torch.device) -> str:
     return f"{info['cpu']}, {info['capability']}"
 
 
+def kernel_path(device, dtype: torch.dtype, quant: str | None, rows: int) -> str:
+    """Which kernels compute a run's numbers, in every row's key (results.PAIRED): on CPU, torch's SIMD level, whether
+    the CPU has AMX, and how a matmul runs: "bf16 copies" (quant.bf16_copies, steps of many rows), "int kernels"
+    (--quant's own) or "plain" (fp32, bf16). e.g. 'AVX512, no AMX, int kernels'. Two paths may round differently, and
+    greedy decoding parts at the first rounding: the same snapkv GSM8K setting on an Intel Xeon and an AMD EPYC
+    disagreed on 9 of 100 grades. On a GPU: its name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda, {torch.cuda.get_device_name(device)}"
+    if device.type != "cpu":
+        return device.type
+    amx = "AMX" if {"amx_bf16", "amx_int8"} & set(cpu_info()["flags"]) else "no AMX"
+    how = "bf16 copies" if bf16_matmul(device, dtype, quant, rows) else "int kernels" if quant else "plain"
+    return f"{torch.backends.cpu.get_cpu_capability()}, {amx}, {how}"
+
+
 TORCH_THREADS = torch.get_num_threads()  # torch's own choice (all cores, or OMP_NUM_THREADS), before we change it
 
 

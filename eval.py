@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (Parser, UsageError, add_device_args, bf16_matmul, int4_source, int_list, load, local_model,
-                 made_on, minmax_int4, note, output_failed, plain_text, policy_names, resolve_device)
+from cli import (Parser, UsageError, add_device_args, bf16_matmul, int4_source, int_list, kernel_path, load,
+                 local_model, made_on, minmax_int4, note, output_failed, plain_text, policy_names, resolve_device)
 from cache import FREE
 from generate import generate, generate_refill, make_run
 from kernels import DENSE_ROWS
@@ -90,7 +90,7 @@ def traces(args, lab: dict) -> list[dict]:
     long = getattr(args, "long", None)
     # note: not bf16_rows: a trace is the text the policies are teacher-forced through, and one the int kernels wrote
     # serves as well (the study's 12 long traces took hours); its replays and their rows do carry it
-    settings = {k: v for k, v in model_settings(args).items() if k != "bf16_rows"}
+    settings = {k: v for k, v in model_settings(args).items() if k not in ("bf16_rows", "kernel_path")}
     key = {"data": file_hash(args.data), "n": args.n, "min_tokens": args.min_tokens,
            "max_new_tokens": args.max_new_tokens, **settings, **({"long": long} if long else {})}
     path = Path(args.out + ".traces.json") if args.out else None
@@ -324,8 +324,10 @@ def model_settings(args) -> dict:
     quant |= {"int4_source": source} if source else {}
     # steps of many rows through bf16 copies of the int values: other numbers than the int kernels' (RESULTS.md)
     quant |= {"bf16_rows": DENSE_ROWS} if bf16_matmul(device, dtype, args.quant, step_rows(args)) else {}
+    # the kernels that compute the numbers: rows of two paths never pair (results.PAIRED), nor resume each other
+    path = {"kernel_path": kernel_path(device, dtype, args.quant, step_rows(args))}
     return {"model": model_key(args.model), "device": torch.device(device).type, "dtype": str(dtype),
-            "batch_size": args.batch_size, **plain, **quant, **thinking}
+            "batch_size": args.batch_size, **plain, **quant, **thinking, **path}
 
 
 # What a replay (fidelity, probe, perturbation) costs beyond the full cache's, per policy: scoring at each eviction

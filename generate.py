@@ -102,6 +102,8 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     p = POLICIES[policy]
+    if stats_file is not None:  # '' included: an empty flag is a mistake, not "none"
+        check_stats_file(stats_file, policy, p)
     if p.score is None:
         if budget is not None:
             raise UsageError("--budget has no effect with --policy full (it keeps every token): "
@@ -119,13 +121,22 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
-    if stats_file and not p.prepare:
-        raise UsageError(f"--triattention-stats is read by triattention and triattention-layer only, not {policy}")
-    if stats_file and not Path(stats_file).is_file():
-        raise UsageError(f"--triattention-stats {stats_file}: no such file (make one with the authors' "
-                         "scripts/calibrate.py, or drop the flag: nanokv then calibrates itself)")
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [],
                stats_file=stats_file)
+
+
+def check_stats_file(path: str, policy: str, p: Policy):
+    """--triattention-stats, before the model loads: read by a policy that reads one, and a file with bytes in it
+    (its content is checked when it loads: triattention.from_authors_format)."""
+    if not p.prepare:
+        raise UsageError(f"--triattention-stats is read by triattention and triattention-layer only, not {policy}")
+    f = Path(path)
+    what = "is empty: name the file" if not path.strip() else "is a directory, not a file" if f.is_dir() else \
+        "does not exist" if not f.exists() else "is not a regular file" if not f.is_file() else \
+        "is an empty file (0 bytes)" if f.stat().st_size == 0 else None
+    if what:
+        raise UsageError(f"--triattention-stats {path!r} {what}: pass a statistics file in the authors' format (their "
+                         "scripts/calibrate.py), or drop the flag: nanokv then calibrates itself")
 
 
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
@@ -469,7 +480,19 @@ def compare_run(args, prompt_len: int) -> Run | None:
                          f"{'snapkv' if args.vs == 'full' else 'full'}")
     if not args.compare or vs == args.policy:  # --policy full --compare: nothing to compare
         return None
-    return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed)
+    return make_run(vs, None if vs == "full" else args.budget, args.buffer, args.protect_prompt, prompt_len, args.seed,
+                    stats_file=args.triattention_stats if POLICIES[vs].prepare else None)
+
+
+def main_run(args, prompt_len: int) -> Run:
+    """The run of --policy. The settings of a pair go to the run that reads them: with --policy full and --compare --vs
+    POLICY, --budget is the other's (the full cache has none), and --triattention-stats goes to whichever of the two
+    reads it; a setting that neither reads is refused by make_run."""
+    vs = args.vs if args.compare else None
+    other = POLICIES[vs] if vs in POLICIES else None
+    budget = None if POLICIES[args.policy].score is None and other and other.score else args.budget
+    stats = None if not POLICIES[args.policy].prepare and other and other.prepare else args.triattention_stats
+    return make_run(args.policy, budget, args.buffer, args.protect_prompt, prompt_len, args.seed, stats_file=stats)
 
 
 def thinking_note(name: str, th, n: int) -> str:
@@ -501,8 +524,7 @@ def run_cli(args):
         raise UsageError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the model a question")
-    make_run(args.policy, args.budget, args.buffer, args.protect_prompt, 1, args.seed,  # settings, before loading
-             stats_file=args.triattention_stats)
+    main_run(args, 1)  # the settings, before loading
     comparing = compare_run(args, 1) is not None
     check_output("--kept-json", args.kept_json)
     check_output("--html", args.html)
@@ -526,8 +548,7 @@ def run_cli(args):
     if len(prompt) + args.max_new_tokens > limit:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's {limit} positions: shorten the prompt or lower --max-new-tokens")
-    run = make_run(args.policy, args.budget, args.buffer, args.protect_prompt, len(prompt), args.seed,
-                   stats_file=args.triattention_stats)
+    run = main_run(args, len(prompt))
     other, vs = compare_run(args, len(prompt)), args.vs or "full"
     L = model.cfg.num_hidden_layers
     if args.show_kept is not None and not -1 <= args.show_kept < L:

@@ -13,6 +13,7 @@ matplotlib is an extra requirement (requirements-plot.txt): only this file impor
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,11 +77,15 @@ def read(paths: list[str]) -> tuple[list[dict], list[dict]]:
 def check_map(m: dict, where: Path) -> dict:
     integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
     ok = (all(integer(m.get(k)) for k in ("positions", "prompt_len", "buffer", "layer"))
+          # the policy names the PNG (kept-POLICY-layerL.png): a name, never a path; the budget titles it
+          and isinstance(m.get("policy"), str) and re.fullmatch(r"[\w.+-]+", m["policy"]) is not None
+          and "budget" in m and (m["budget"] is None or integer(m["budget"]) and m["budget"] >= 1)
           and isinstance(m.get("heads"), list) and m["heads"]
           and all(isinstance(h, list) and all(integer(x) and 0 <= x < m["positions"] for x in h) for h in m["heads"]))
     if not ok:
-        raise UsageError(f"{where}: a kept map needs positions, prompt_len, buffer, layer and heads (per KV head the "
-                         "positions it holds): write it again with generate.py --kept-json")
+        raise UsageError(f"{where}: a kept map needs policy (a name), budget (K, or null for the full cache), "
+                         "positions, prompt_len, buffer, layer and heads (per KV head the positions it holds): write "
+                         "it again with generate.py --kept-json")
     n, P, r = m["positions"], m["prompt_len"], m["buffer"]
     twice = [h for h, held in enumerate(m["heads"]) if len(set(held)) < len(held)]
     bad = ("it holds no positions" if n < 1 else f"its prompt ({P} tokens) is not within its {n} positions"

@@ -126,15 +126,17 @@ FIELDS = {  # the fields that code reads back (tables, paired statistics, figure
     "logprob_by_set": list_of(num), "model": text, "data": text, "data_sha": text, "n": positive,
     "buffer": maybe(integer), "protect": maybe(flag), "top1": num, "nll_gap": num, "tokens": integer, "recall": num,
     "logprob": num, "heads": integer, "gap_tokens": num, "l1_window": maybe(num), "l1_next": maybe(num),
-    "better_window": maybe(num), "better_next": maybe(num), "trace_ids": list_of(text),
-    "sentences_by_trace": list_of(sentences),
+    "better_window": maybe(num), "better_next": maybe(num), "row_sha": text, "kernel_path": text,
+    "trace_ids": list_of(text), "sentences_by_trace": list_of(sentences),
 }
 plain = lambda v: v is None or isinstance(v, (str, int, float, bool))
 
 
-def check_row(row, where: str, needs: dict[str, tuple] | None = None):
+def check_row(row, where: str, needs: dict[str, tuple] | None = None, partial: bool = False):
     """Refuse, in one line that names it, a row that is not an object with a task, lacks a field its reader needs for
-    its task (`needs`, e.g. plot's {"fidelity": ("policy", "budget", "kl"), ...}), or has a field of the wrong type."""
+    its task (`needs`, e.g. plot's {"fidelity": ("policy", "budget", "kl"), ...}), has a field of the wrong type, was
+    edited after it was written (its row_sha), or whose items do not add up (consistent). partial: a progress file's
+    row, which holds the items finished so far."""
     if not isinstance(row, dict) or "task" not in row:
         raise UsageError(f"{where} is not a row (a JSON object with a 'task'): delete it, then rerun")
     name = f"{where} ({row.get('policy')}, budget {row.get('budget')})"
@@ -145,6 +147,46 @@ def check_row(row, where: str, needs: dict[str, tuple] | None = None):
     for k, v in row.items():
         if not FIELDS.get(k, plain)(v):
             raise UsageError(f"{name} has a bad {k!r}: {json.dumps(v)[:60]}: fix or delete that row, then rerun")
+    if "row_sha" in row and seal(row) != row["row_sha"]:
+        raise UsageError(f"{name} was edited after eval.py wrote it (its row_sha no longer matches its fields): delete "
+                         "that row (a rerun of its sweep computes it again), or put back what was changed")
+    bad = consistent(row, partial)
+    if bad:
+        raise UsageError(f"{name} {bad}: a pair of rows would compare other items than it says; delete that row (a "
+                         "rerun of its sweep computes it again)")
+
+
+def seal(row: dict) -> str:
+    """The digest of a row's fields but row_sha, which run_jobs writes beside them: a row edited by hand (its K set to
+    999, a problem's verdict flipped) no longer matches it and is refused wherever it is read, a rerun of the sweep
+    included, rather than drawn or paired. A check against mistakes, not a signature: rows written before it have no
+    row_sha and are read as they are."""
+    return digest({k: v for k, v in row.items() if k != "row_sha"})
+
+
+def consistent(row: dict, partial: bool = False) -> str | None:
+    """What does not add up in a row's items, or None: per_problem must hold each of the problems 0 .. n - 1 once
+    (accuracy runs the first n of its data file), kl_by_trace and per_trace one entry per trace (n of them); a
+    progress file's row (partial) holds some of them, each once. e.g. a 100-problem row whose problems all say i = 0
+    is one problem counted 100 times, and a KL list cut to 1 of 12 traces pairs one trace with another's."""
+    n = row.get("n")
+    if row.get("per_problem"):  # an empty one: the readers that pair say "holds no problems" (one_setting, regrade)
+        seen = [p["i"] for p in row["per_problem"]]
+        twice = next((i for k, i in enumerate(seen) if i in seen[:k]), None)
+        if twice is not None:
+            return f"holds problem i = {twice} twice"
+        outside = next((i for i in seen if not 0 <= i < (n or 0)), None) if n is not None else None
+        if outside is not None:
+            return f"holds problem i = {outside}, outside 0 .. n - 1 (n = {n})"
+        if not partial and n is not None and len(seen) != n:
+            return f"holds {len(seen)} problems for its n = {n}"
+    for k in ("kl_by_trace", "per_trace"):
+        if k in row and n is not None and (len(row[k]) > n or not partial and len(row[k]) != n):
+            return f"has {len(row[k])} entries in {k} for its n = {n} traces"
+    if "sets" in row and {len(row[k]) for k in ("sets", "recall_by_set", "logprob_by_set") if k in row} != \
+            {len(row["sets"])}:
+        return "has sets, recall_by_set and logprob_by_set of different lengths"
+    return None
 
 
 def pack_text(s: str) -> str:
@@ -189,7 +231,10 @@ def read_rows(path: Path | None, needs: dict[str, tuple] | None = None,
 # what the tools read (tools/, eval.py plot): every file through read_json and check_row; pairs of one setting only
 
 READ_FIX = "pass a result file of eval.py (its --out)"
-PAIRED = ("model", "device", "dtype", "quant", "template", "data_sha", "n")  # a model, a mode, a data file, an n
+# a model, a mode, a data file, an n, and the kernels that computed them (cli.kernel_path): greedy decoding on two
+# kernel paths can part at a rounding (9 of 100 GSM8K grades, the same snapkv setting on two CPUs)
+PAIRED = ("model", "device", "dtype", "quant", "template", "data_sha", "n", "kernel_path")
+UNRECORDED = "unrecorded"  # the kernel path of rows written before rows recorded it
 
 
 def tool_rows(paths, needs: dict[str, tuple] | None = None, where: dict | None = None) -> list[dict]:
@@ -208,18 +253,28 @@ def tool_rows(paths, needs: dict[str, tuple] | None = None, where: dict | None =
 
 
 def differs(a: dict, b: dict, keys=PAIRED) -> str | None:
-    """The first of keys in which two rows differ, or None."""
-    return next((k for k in keys if a.get(k) != b.get(k)), None)
+    """The first of keys in which two rows differ, or None. A row without a kernel_path reads as UNRECORDED: two such
+    rows pair (the record's tables, all made before the field), but one never pairs with a recorded path, since
+    nothing shows that it ran on that path."""
+    get = lambda r, k: r.get(k, UNRECORDED) if k == "kernel_path" else r.get(k)
+    return next((k for k in keys if get(a, k) != get(b, k)), None)
 
 
 def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = None):
     """Refuse rows that a tool would pair (problem by problem, trace by trace) but that do not share a model, a mode
-    (device, dtype, quant, template), a data file and an n: their differences would measure the setting, not the
-    policy. One line, naming the field, two rows and their values; and a row without problems. what: e.g. 'the
-    accuracy rows'. The one check of every tool that pairs rows (tools/claims.py, replication.py, compare_modes.py)."""
+    (device, dtype, quant, template), a data file, an n and a kernel path: their differences would measure the
+    setting, not the policy. One line, naming the field, two rows and their values; and a row without problems. what:
+    e.g. 'the accuracy rows'. The one check of every tool that pairs rows (tools/claims.py, replication.py, seeds.py,
+    compare_modes.py, which compares two modes and so leaves the mode and kernel path out of keys); each row's own
+    items are checked where it is read (check_row)."""
     name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
     for r in rows:
         k = differs(rows[0], r, keys)
+        if k == "kernel_path":
+            path = lambda r: r.get("kernel_path", f"{UNRECORDED} (a row made before rows recorded it)")
+            raise UsageError(f"{what} ran on two kernel paths: {name(rows[0])} on {path(rows[0])!r}, {name(r)} on "
+                             f"{path(r)!r}; greedy decoding on two paths can part at a rounding, so a pair would "
+                             "measure the machines: rerun one of them on the other's machine and mode")
         if k:
             raise UsageError(f"{what} do not share one setting: {name(rows[0])} has {k} {json.dumps(rows[0].get(k))}, "
                              f"{name(r)} {json.dumps(r.get(k))}; a pair compares policies on one model, mode, data "
@@ -293,7 +348,7 @@ class Progress:
         self.job, self.path = job, progress_path(result, job) if result else None
         saved = read_json(self.path, dict) if self.path and self.path.exists() else {}
         if saved:
-            check_row(saved, str(self.path))
+            check_row(saved, str(self.path), partial=True)
         self.part = {k: v for k, v in saved.items() if k not in job} if same(job, saved) else {}
 
     def save(self, **part):
@@ -386,6 +441,7 @@ def run_jobs(jobs: list[dict], measure, out: str | None = None, shard: tuple[int
         if "error" in row:
             failed.append(row)
             continue
+        row["row_sha"] = seal(row)  # a later hand edit is refused where the row is read (check_row)
         rows.append(row)
         if shard:
             saved.append(row)

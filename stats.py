@@ -9,25 +9,102 @@ Pure functions of result rows: plot.py draws the same intervals; `holm` corrects
 (tools/replication.py); `loss_ratio` compares two policies' losses against the full cache (tools/seeds.py).
 """
 
+import functools
 import json
 import math
 
 import torch
 
 
+EXACT = 12  # up to this many items a bootstrap is enumerated exactly (every multiset of n draws: C(2n-1, n),
+# 1,352,078 at n = 12); past it, `resamples` draws, whose Monte Carlo error `band` states
+Z95 = 1.96
+
+
+def same_length(*lists):
+    """Paired lists must hold one value per item each: torch would broadcast a list of 1 against one of 12, and zip
+    would cut the longer one, each giving a verdict on the wrong items. Callers check rows first (results.check_row,
+    one_setting) and say which row; this is the last guard."""
+    if len({len(x) for x in lists}) > 1:
+        raise ValueError(f"paired lists of different lengths {[len(x) for x in lists]}: a pair holds the same items")
+
+
+@functools.cache
+def multisets(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every bootstrap resample of n items as counts, and its chance: C [M, n] (how often each item is drawn, each
+    row summing to n) and p [M] = n! / (c_1! ... c_n!) / n^n, the multinomial chance of drawing those counts. e.g.
+    n = 2: counts (2, 0), (1, 1), (0, 2) with chances 1/4, 1/2, 1/4. Built part by part: a row with `left` draws
+    still to place gets one child per count 0 .. left for its next item."""
+    rows, left = torch.zeros(1, 0, dtype=torch.int8), torch.tensor([n])
+    for _ in range(n - 1):
+        k = left + 1  # children per row
+        parent = torch.repeat_interleave(torch.arange(len(left)), k)
+        c = torch.arange(int(k.sum())) - torch.repeat_interleave(k.cumsum(0) - k, k)  # 0 .. left within each parent
+        rows, left = torch.cat([rows[parent], c[:, None].to(torch.int8)], 1), left[parent] - c
+    C = torch.cat([rows, left[:, None].to(torch.int8)], 1)  # [M, n]
+    logp = math.lgamma(n + 1) - torch.lgamma(C.double() + 1).sum(1) - n * math.log(n)
+    return C, logp.exp()
+
+
+def resampled(x: torch.Tensor, resamples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The means of every bootstrap resample of x's items, x [n, k] (k values per item, resampled together): exactly
+    (all multisets, with their chances p) up to EXACT items, else `resamples` random draws (p None: equal chances).
+    Returns (means [M, k], p [M] or None)."""
+    n = x.shape[0]
+    if n <= EXACT:
+        C, p = multisets(n)
+        return C.double() @ x / n, p
+    g = torch.Generator().manual_seed(seed)
+    return x[torch.randint(n, (resamples, n), generator=g)].mean(1), None
+
+
+def percentiles(v: torch.Tensor, p: torch.Tensor | None) -> tuple[tuple[float, float], tuple[tuple, tuple]]:
+    """The 2.5 and 97.5 percentiles of resampled values v [M], and each one's Monte Carlo band: with chances p (exact),
+    the inverse of the cumulative distribution and a band of zero width; with random draws (p None), torch.quantile's
+    interpolated order statistic, and the order statistics within 1.96 binomial standard deviations of its rank, where
+    the percentile of a rerun with another seed falls about 95 % of the time (distribution-free). nan values (0 / 0)
+    are left out."""
+    keep = ~v.isnan()
+    v, p = v[keep], None if p is None else p[keep]
+    order = v.argsort()
+    v = v[order]
+    bounds, bands = [], []
+    for q in (0.025, 0.975):
+        if p is not None:
+            cdf = p[order].cumsum(0) / p.sum()
+            at = min(int(torch.searchsorted(cdf, torch.tensor(q, dtype=cdf.dtype))), len(v) - 1)
+            bounds.append(v[at].item())
+            bands.append((v[at].item(), v[at].item()))
+        else:
+            M = len(v)
+            rank, spread = q * (M - 1), Z95 * math.sqrt(M * q * (1 - q))
+            bounds.append(torch.quantile(v, torch.tensor(q, dtype=v.dtype)).item())
+            bands.append((v[max(0, math.floor(rank - spread))].item(), v[min(M - 1, math.ceil(rank + spread))].item()))
+    return tuple(bounds), tuple(bands)
+
+
+def bootstrap(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0
+              ) -> tuple[float, float | None, float | None, tuple | None]:
+    """bootstrap_diff, and the Monte Carlo band of each bound ((lo_min, lo_max), (hi_min, hi_max)), zero-wide where
+    the interval is exact (n <= EXACT), None over one item: the tables call a bound within its band of a margin "on
+    the margin" rather than give a verdict that another seed could flip."""
+    same_length(a, b)
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)  # [n], e.g. in {-1, 0, 1}
+    if len(d) < 2:
+        return d.mean().item(), None, None, None
+    (lo, hi), band = percentiles(*(lambda m, p: (m[:, 0], p))(*resampled(d[:, None], resamples, seed)))
+    return d.mean().item(), lo, hi, band
+
+
 def bootstrap_diff(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0
                    ) -> tuple[float, float | None, float | None]:
     """Mean of a minus mean of b over the same items, with its paired bootstrap 95 % interval: resample the items
     with replacement (an item keeps both of its values) and take the 2.5 and 97.5 percentiles. Items are problems
-    (a, b: right or wrong, so the difference is one of accuracy) or traces (a, b: per-trace KL). Of one item the
-    interval is undefined (None, None): every resample is that item, so a zero-width interval would look certain."""
-    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)  # [n], e.g. in {-1, 0, 1}
-    if len(d) < 2:
-        return d.mean().item(), None, None
-    g = torch.Generator().manual_seed(seed)
-    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)  # [resamples]
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return d.mean().item(), lo, hi
+    (a, b: right or wrong, so the difference is one of accuracy) or traces (a, b: per-trace KL). Up to EXACT items
+    every resample is enumerated with its chance (no seed moves the interval); past that, `resamples` draws. Of one
+    item the interval is undefined (None, None): every resample is that item, so a zero-width interval would look
+    certain."""
+    return bootstrap(a, b, resamples, seed)[:3]
 
 
 def spread_diff(a: list[list[bool]], b: list[list[bool]], resamples: int = 10_000, seed: int = 0
@@ -38,13 +115,13 @@ def spread_diff(a: list[list[bool]], b: list[list[bool]], resamples: int = 10_00
     problems, each keeping every policy's outcome."""
     A = torch.tensor(a, dtype=torch.float64)  # [policies in a, n]
     B = torch.tensor(b, dtype=torch.float64)  # [policies in b, n]
-    spread = lambda acc: (acc.max(0).values - acc.min(0).values)  # over policies
+    same_length(*a, *b)
+    spread = lambda acc: (acc.max(-1).values - acc.min(-1).values)  # over policies
     if A.shape[1] < 2:
         return spread(A.mean(-1)).item(), spread(B.mean(-1)).item(), None, None
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(A.shape[1], (resamples, A.shape[1]), generator=g)  # [resamples, n]
-    d = spread(A[:, idx].mean(-1)) - spread(B[:, idx].mean(-1))  # [resamples]
-    lo, hi = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    means, p = resampled(torch.cat([A, B]).T, resamples, seed)  # [M, policies in a + b]: an item keeps every outcome
+    d = spread(means[:, : len(A)]) - spread(means[:, len(A) :])  # [M]
+    (lo, hi), _ = percentiles(d, p)
     return spread(A.mean(-1)).item(), spread(B.mean(-1)).item(), lo, hi
 
 
@@ -57,20 +134,18 @@ def loss_ratio(la: list[float], lb: list[float], resamples: int = 10_000, seed: 
     fidelity a trace's KL against the full cache. When the denominator's interval reaches 0 (b may lose nothing), or
     over one item, no ratio to it means anything: ratio, lo and hi are None. e.g. the full cache right on 10
     problems, b wrong on 4 of them, a on 2 of those 4: 0.2 / 0.4 = 0.5."""
-    A = torch.tensor(la, dtype=torch.float64)  # [n]
-    B = torch.tensor(lb, dtype=torch.float64)  # [n]
-    if len(A) < 2:
+    same_length(la, lb)
+    if len(la) < 2:
         return None, None, None, None, None
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(A), (resamples, len(A)), generator=g)  # [resamples, n], the same items for a and b
-    num, den = A[idx].mean(1), B[idx].mean(1)  # [resamples] each
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
-    den_lo, den_hi = torch.quantile(den, q).tolist()
+    x = torch.tensor([la, lb], dtype=torch.float64).T  # [n, 2]: an item keeps both of its losses
+    means, p = resampled(x, resamples, seed)  # [M, 2]
+    num, den = means[:, 0], means[:, 1]
+    (den_lo, den_hi), _ = percentiles(den, p)
     if den_lo <= 0 <= den_hi:
         return None, None, None, den_lo, den_hi
     # note: a denominator of 0 is left in at most 2.5 % of resamples: x / 0 is +-inf (kept, at the tail), 0 / 0 nan
-    lo, hi = torch.nanquantile(num / den, q).tolist()
-    return (A.mean() / B.mean()).item(), lo, hi, den_lo, den_hi
+    (lo, hi), _ = percentiles(num / den, p)
+    return (x[:, 0].mean() / x[:, 1].mean()).item(), lo, hi, den_lo, den_hi
 
 
 def interval(lo: float | None, hi: float | None, digits: int = 3) -> str:
@@ -168,7 +243,7 @@ def paired(rows: list[dict], base: str = "snapkv") -> str:
 def markdown(rows: list[dict], keys=()) -> str:
     """A Markdown table; key columns that are the same in every row move to one caption line above it, lists
     stay in the JSON only."""
-    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list)))
+    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list) and k != "row_sha"))
     same = [c for c in cols if len(rows) > 1 and c in keys and c not in ("policy", "budget")
             and len({json.dumps(r.get(c)) for r in rows}) == 1]
     fmt = lambda v: "–" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)

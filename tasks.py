@@ -14,6 +14,7 @@ from pathlib import Path
 from math_verify import parse as mv_parse, verify as mv_verify
 
 from generate import UsageError
+from tokenizer import lone_surrogate
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the project: data/README.md
 # in every accuracy row's key, per kind of answer; raise one when what counts as correct for it changes (2: cut-off
@@ -51,6 +52,11 @@ def load_data(path: str) -> list[dict]:
         if not isinstance(q, str) or "answer" not in row:
             missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"
             raise UsageError(f"{path} line {i}: missing field {missing}")
+        bad = next(((f, k) for f, v in (("question", q), ("answer", str(row["answer"]))) if (k := lone_surrogate(v))
+                    is not None), None)
+        if bad:  # valid JSON ("\ud800"), but no character: the tokenizer cannot encode it
+            raise UsageError(f"{path} line {i}: the {bad[0]} holds a lone surrogate at character {bad[1]} (half of a "
+                             "UTF-16 pair, e.g. \\ud800 without its partner): fix that escape or delete that line")
         if not q.strip():  # as generate.py refuses an empty --prompt
             raise UsageError(f"{path} line {i}: the question is empty: fix or delete that line")
         if rows and ("####" in str(row["answer"])) != ("####" in rows[0]["answer"]):  # graded by one rule (GRADING)

@@ -89,6 +89,16 @@ class Thought:
     answer: str  # the text after </think>, what a grader reads: all of it without thinking, "" if it never closed
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Where text holds a lone surrogate (U+D800 to U+DFFF), which JSON's "\\ud800" and invalid UTF-8 bytes in argv
+    give Python strings, but UTF-8 cannot encode; None when it holds none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class Tokenizer:
     def __init__(self, path: str | Path, thinking: bool | None = None):
         from tokenizers import Tokenizer as HFTokenizer
@@ -124,6 +134,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         # the chat template already writes BOS (if any) as text, so we add no special tokens here
+        bad = lone_surrogate(text)
+        if bad is not None:  # the Rust tokenizer cannot take it: a traceback, deep inside
+            raise ModelError(f"the text holds a lone surrogate at character {bad} ({text[bad]!r}, half of a UTF-16 "
+                             "pair, not a character): fix that escape in the question, e.g. \\ud800")
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

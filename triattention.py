@@ -100,23 +100,48 @@ def to_authors_format(stats: FreqStats, meta: dict) -> dict:
             "stats": body}
 
 
-def from_authors_format(payload: dict, cfg, inv_freq: Tensor, name: str) -> FreqStats:
-    """FreqStats of a loaded authors' file; a file made for another shape of model is refused in one line."""
-    try:
-        meta, body = payload["metadata"], payload["stats"]
-        heads = {(int(l), int(h)) for l, h in meta["sampled_heads"]}
-    except (KeyError, TypeError, ValueError):
-        raise CalibrationError(f"{name} is not a TriAttention statistics file (a torch.save dict with 'metadata' and "
-                               "'stats'): make one with the authors' scripts/calibrate.py, or drop the flag") from None
+FIELDS = ("q_mean_real", "q_mean_imag", "q_abs_mean")  # per head, each [D / 2]
+
+
+def from_authors_format(payload, cfg, inv_freq: Tensor, name: str) -> FreqStats:
+    """FreqStats of a loaded authors' file, every value checked here, when it loads, rather than at the first eviction
+    after decoding began: one line naming what is wrong (not a dict, a head missing, a head dim that is not a number,
+    a vector of the wrong length or type, NaN or inf) or made for another shape of model."""
+    fix = "make one with the authors' scripts/calibrate.py, or drop the flag (nanokv then calibrates it itself)"
+    bad = lambda what: CalibrationError(f"{name} {what}: {fix}")
+    if not isinstance(payload, dict) or not isinstance(payload.get("metadata"), dict) or \
+            not isinstance(payload.get("stats"), dict):
+        raise bad("is not a TriAttention statistics file (a torch.save dict with a 'metadata' dict and a 'stats' dict)")
+    meta, body = payload["metadata"], payload["stats"]
+    pair = lambda x: isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                          for v in x)
+    if not isinstance(meta.get("sampled_heads"), (list, tuple)) or not all(map(pair, meta["sampled_heads"])):
+        raise bad("has no metadata 'sampled_heads' as a list of [layer, head] pairs of integers")
+    heads = {tuple(x) for x in meta["sampled_heads"]}
     L, H_q, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+    d = meta.get("head_dim", D)
+    if not isinstance(d, int) or isinstance(d, bool):
+        raise bad(f"gives head_dim {d!r}, not an integer")
     n_layers, n_heads = len({l for l, _ in heads}), len({h for _, h in heads})
-    d = int(meta.get("head_dim", 2 * len(next(iter(body.values()))["q_abs_mean"]))) if body else 0
-    if (n_layers, n_heads, d) != (L, H_q, D) or len(heads) != L * H_q:
+    if (n_layers, n_heads, d) != (L, H_q, D) or heads != {(l, h) for l in range(L) for h in range(H_q)}:
         raise CalibrationError(f"{name} holds {n_layers} layers x {n_heads} query heads of dim {d} ({len(heads)} "
                                f"heads); the model has {L} x {H_q} of dim {D}: calibrate for this model, or drop the "
                                "flag (nanokv then calibrates it itself)")
     if meta.get("rope_style", "half") != "half":
         raise CalibrationError(f"{name} pairs RoPE dims as {meta['rope_style']!r}; nanokv's are half-split")
+    for l, h in sorted(heads):
+        key = f"layer{l:02d}_head{h:02d}"
+        entry = body.get(key)
+        if not isinstance(entry, dict):
+            raise bad(f"has no statistics for {key} (a dict of {', '.join(FIELDS)}), though its sampled_heads list it")
+        for k in FIELDS:
+            v = entry.get(k)
+            if not isinstance(v, Tensor) or not v.is_floating_point() or tuple(v.shape) != (D // 2,):
+                got = f"a tensor of {v.dtype} {tuple(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
+                raise bad(f"holds {got} for {key}'s {k}, not a float tensor of the model's D / 2 = {D // 2} "
+                          "frequencies")
+            if not v.isfinite().all():
+                raise bad(f"holds NaN or inf in {key}'s {k}")
     get = lambda l, h, k: body[f"layer{l:02d}_head{h:02d}"][k].float()
     grid = lambda k: torch.stack([torch.stack([get(l, h, k) for h in range(H_q)]) for l in range(L)])  # [L, H_q, F]
     dev = inv_freq.device
@@ -125,10 +150,13 @@ def from_authors_format(payload: dict, cfg, inv_freq: Tensor, name: str) -> Freq
 
 
 def load_authors_file(path: str, cfg, inv_freq: Tensor) -> FreqStats:
+    """The authors' file at path, read by torch's safe loader (weights_only: a pickle of code is refused, never run)."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CalibrationError(f"cannot read the TriAttention statistics {path}: {e}".splitlines()[0]) from None
+    except Exception as e:  # noqa: BLE001: text, a pickle of code, a truncated zip: each its own exception type
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CalibrationError(f"cannot read the TriAttention statistics {path} ({why}): pass a torch.save file in "
+                               "the authors' format (scripts/calibrate.py), or drop the flag") from None
     return from_authors_format(payload, cfg, inv_freq, path)
 
 

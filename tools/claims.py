@@ -62,7 +62,8 @@ def rows_of(every: list[dict], paths: list[str], partial: bool, where: dict) -> 
     if partial:
         for q in (q for p in map(Path, paths) for q in sorted(p.parent.glob(p.stem + ".progress-*.json"))):
             r = read_json(q, dict, READ_FIX)
-            check_row(r, str(q), {"accuracy": NEEDS["accuracy"]})  # a fidelity sweep's holds per_trace so far
+            # a fidelity sweep's holds per_trace so far; a progress row holds some of its problems (partial)
+            check_row(r, str(q), {"accuracy": NEEDS["accuracy"]}, partial=True)
             if r["task"] == "accuracy":
                 got.append(dict(r, partial=True))
                 where[id(got[-1])] = str(q)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import READ_FIX, locked, read_rows, unpack_text, write_json  # noqa: E402
+from results import READ_FIX, locked, read_rows, seal, unpack_text, write_json  # noqa: E402
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, load_data  # noqa: E402
 
 
@@ -50,8 +50,9 @@ def regrade(row: dict, data: list[dict], where: str) -> tuple[dict, list[int]]:
         changed += [p["i"]] if ok != p["correct"] else []
         per.append({**p, "pred": pred, "answered": pred is not None, "correct": ok})
     mean = lambda field: sum(p[field] for p in per) / len(per)
-    return {**row, "grading": grading(data), "accuracy": mean("correct"), "answered": mean("answered"),
-            "per_problem": per}, changed
+    new = {**row, "grading": grading(data), "accuracy": mean("correct"), "answered": mean("answered"),
+           "per_problem": per}
+    return {**new, "row_sha": seal(new)} if "row_sha" in row else new, changed  # sealed again: this edit is ours
 
 
 def text_of(p: dict, where: str) -> str:

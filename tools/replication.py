@@ -15,6 +15,8 @@ A claim of parity (a does as well as b):
   the whole interval is further below, not separated otherwise;
 - in KL (lower is better): holds when the interval lies below 0, does not hold when it lies above, not separated
   when it holds 0.
+On the margin: a bound so near 0 or the margin that another bootstrap seed could give another verdict (within its
+Monte Carlo band, stats.bootstrap); with 12 or fewer items the bootstrap is enumerated exactly, so never there.
 Cannot be tested here: the setting lacks the rows the comparison needs. The directional comparisons form one family
 for Holm's correction (their sign tests); a parity verdict rests on its interval, not on a test of difference, and
 the spread's on its bootstrap interval alone, so neither enters the family.
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 from cli import Parser, UsageError  # noqa: E402
 from results import PAIRED, one_setting, tool_rows  # noqa: E402
-from stats import bootstrap_diff, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
+from stats import EXACT, bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
@@ -73,25 +75,39 @@ class Cell:
 
     def __init__(self, label: str, a: list, b: list, expect: str, kl: bool = False):
         self.label, self.expect, self.kl, self.n = label, expect, kl, len(a)
-        self.d, self.lo, self.hi = bootstrap_diff(a, b)
+        self.d, self.lo, self.hi, self.band = bootstrap(a, b)
         # the sign test: problems where only one is right; traces where one is lower
         self.n10, self.n01, self.p = sign_test([x < y for x, y in zip(a, b)], [y < x for x, y in zip(a, b)]) if kl \
             else sign_test(a, b)
 
-    @property
-    def verdict(self) -> str:
-        if self.lo is None:
-            return "not separated"
+    def rule(self, lo: float, hi: float) -> str:
+        """The verdict of an interval [lo, hi] by the module's rules."""
         if self.expect == "parity" and not self.kl:
-            return "holds" if self.lo > -MARGIN else "does not hold" if self.hi < -MARGIN else "not separated"
-        above, below = self.lo > 0, self.hi < 0
+            return "holds" if lo > -MARGIN else "does not hold" if hi < -MARGIN else "not separated"
+        above, below = lo > 0, hi < 0
         yes, no = (above, below) if self.expect == "above" else (below, above)  # parity in KL: below is better
         return "holds" if yes else "does not hold" if no else "not separated"
+
+    @property
+    def verdict(self) -> str:
+        return settle(self, Cell.rule)  # a subclass with a rule of its own gives its own verdict (seeds.Parity)
 
     def __str__(self):
         what = "traces lower" if self.kl else "discordant"
         return (f"{self.label} {self.d:+.3f} {interval(self.lo, self.hi)}, {what} {self.n10} / {self.n01}, "
                 f"p = {self.p:.2g} (n = {self.n})")
+
+
+def settle(cell, rule) -> str:
+    """A cell's verdict, rule(cell, lo, hi), where its interval's Monte Carlo error cannot change it: "on the margin"
+    when a bound lies so near the margin (or 0) that another bootstrap seed could give another verdict, i.e. the rule
+    gives two verdicts within the bounds' bands (stats.bootstrap: zero-wide, so never, for 12 or fewer items, whose
+    bootstrap is exact). One item: no interval, "not separated"."""
+    if cell.lo is None:
+        return "not separated"
+    band = getattr(cell, "band", None) or ((cell.lo, cell.lo), (cell.hi, cell.hi))
+    got = {rule(cell, lo, hi) for lo in band[0] for hi in band[1]}
+    return got.pop() if len(got) == 1 else "on the margin"
 
 
 def acc_cell(rows: dict, a: tuple, b: tuple, expect: str, cell=Cell) -> Cell | None:
@@ -221,6 +237,8 @@ def main(argv=None):
             print(f"- K = {k}: {accs}; " + "; ".join(map(mark, budget[k])))
     print(f"\n{len(every)} comparisons: {len(family)} directional, {sum(survive.values())} of them significant after "
           f"Holm's correction across those {len(family)} (alpha = 0.05); {len(every) - len(family)} of parity.")
+    print(f"Intervals over {EXACT} or fewer items (traces) are exact bootstraps, every resample enumerated; over more, "
+          "10,000 resamples, and a verdict that a bound's Monte Carlo error could flip reads \"on the margin\".")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ MATH-500, K = 416) or the same 12 long traces (fidelity, K = 512). Each row: the
 nanokv's (a - b with its paired bootstrap 95 % interval and exact sign test, tools/replication.py's Cell) and the
 verdict; "not run" where a row is missing. Directional cells use replication.py's rule and form the Holm family (their
 sign tests). Parity cells ("random matches ...") use a two-sided margin fixed in advance (below) and rest on their
-interval, as do the spread, the loss ratios and the perturbation shares: none of them enters Holm.
+interval, as do the spread, the loss ratios and the perturbation shares: none of them enters Holm. Intervals over 12 or
+fewer items (the long traces) are exact, every bootstrap resample enumerated; over more, a verdict that the bounds'
+Monte Carlo error could flip reads "on the margin" (replication.settle).
 """
 
 import sys
@@ -21,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.
 
 from claims import NEEDS as CLAIMS_NEEDS  # noqa: E402
 from cli import Parser, UsageError  # noqa: E402
-from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines,  # noqa: E402
+from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines, settle,  # noqa: E402
                          spread_line, study_folder)
 from results import one_setting, tool_rows  # noqa: E402
-from stats import holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
+from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
@@ -59,16 +61,16 @@ class Parity(Cell):
         super().__init__(label, a, b, "parity", kl)
         self.margin = KL_MARGIN * sum(b) / len(b) if kl and b else ACC_MARGIN
 
+    def rule(self, lo: float, hi: float) -> str:
+        m = self.margin
+        if -m < lo and hi < m:
+            return "holds"
+        better = (lo > m) != self.kl  # wholly outside the margin, on a's better side (in KL: lower)
+        return f"does not hold (a {'better' if better else 'worse'})" if hi < -m or lo > m else "not separated"
+
     @property
     def verdict(self) -> str:
-        m = self.margin
-        if self.lo is None:
-            return "not separated"
-        if -m < self.lo and self.hi < m:
-            return "holds"
-        better = (self.lo > m) != self.kl  # wholly outside the margin, on a's better side (in KL: lower)
-        return f"does not hold (a {'better' if better else 'worse'})" if self.hi < -m or self.lo > m else \
-            "not separated"
+        return settle(self, Parity.rule)
 
     def __str__(self):
         return f"{super().__str__()}, margin ±{self.margin:.3g}"
@@ -143,6 +145,10 @@ def share_line(per: dict, a: str, b: str) -> tuple[str, str] | None:
     got = {}
     for w in ("window", "next"):
         x, y = per[a][f"l1_{w}_by_head"], per[b][f"l1_{w}_by_head"]  # [L][H_q] each, None where unmeasured
+        if [len(r) for r in x or []] != [len(r) for r in y or []]:  # zip would pair the heads both hold, silently
+            raise UsageError(f"the {a} and {b} perturbation rows hold l1_{w}_by_head of other shapes (layers x heads "
+                             f"{[len(r) for r in x or []]} against {[len(r) for r in y or []]}): one of them is not "
+                             "this model's; delete it and rerun eval.py perturbation for it")
         pairs = [(u, v) for rx, ry in zip(x or [], y or []) for u, v in zip(rx, ry)]
         got[w] = sum(u < v for u, v in pairs) / len(pairs) if pairs else None
     if got["window"] is None:
@@ -157,7 +163,13 @@ def cost_line(path: Path) -> str:
     and the shortest context where all five have a row, each as a multiple of EPIKV's."""
     if not path.exists():
         return f"- Cost at equal memory: not measured (no {path})"
-    rows = [r for r in tool_rows([path], {"bench": ("policy", "context", "batch", "ms_per_step")}) if r["batch"] == 1]
+    where = {}
+    rows = [r for r in tool_rows([path], {"bench": ("policy", "context", "batch", "ms_per_step")}, where)
+            if r["task"] == "bench" and r["batch"] == 1]
+    zero = next((r for r in rows if r["ms_per_step"] <= 0), None)  # a multiple of it would divide by zero
+    if zero:
+        raise UsageError(f"{where[id(zero)]} ({zero['policy']}) has ms_per_step {zero['ms_per_step']}: no decode step "
+                         "takes no time; delete that row and rerun eval.py bench for it")
     at = sorted(c for c in {r["context"] for r in rows} if all(any(r["context"] == c and r["policy"] == p
                                                                      for r in rows) for p in EPI))
     if not at:
@@ -267,6 +279,9 @@ def main(argv=None):
           f"{ACC_MARGIN} in accuracy, ±{KL_MARGIN:.0%} of b's mean KL, both fixed on 5 December 2026 before these "
           "comparisons ran), the spread, the loss ratios and the perturbation shares rest on their intervals or "
           "counts and do not enter it.")
+    print(f"Bootstrap intervals over {EXACT} or fewer items (the long traces) are exact: every resample enumerated "
+          "with its chance, so no seed moves them. Over more, 10,000 resamples; a verdict that the Monte Carlo error of "
+          "a bound (the 95 % band of its order statistic) could flip reads \"on the margin\".")
 
 
 if __name__ == "__main__":

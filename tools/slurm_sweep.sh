@@ -29,17 +29,34 @@ die() { echo "error: $*" >&2; exit 1; }
     "tools/slurm_sweep.sh 8 fidelity --n 12 --out results/fidelity.json)"
 n=$1 sub=$2
 shift 2
+# Everything is checked before anything is queued: a task that cannot run fails in the queue, and the merge, which
+# waits for every task (afterok), would wait for ever
+case "$sub" in fidelity | accuracy | probe | perturbation | bench) ;;
+    *) die "'$sub' is not a sweep of eval.py: pass fidelity, accuracy, probe, perturbation or bench" ;; esac
 out=
 for ((i = 1; i <= $#; i++)); do  # the --out FILE (or --out=FILE) among ARGS: the merge needs it
-    case "${!i}" in --out=*) out=${!i#--out=} ;; --out) j=$((i + 1)); out=${!j:-} ;; esac
+    case "${!i}" in --out=*) out=${!i#--out=} ;; --out) j=$((i + 1)); out=${!j:-} ;;
+        --shard | --shard=*) die "ARGS hold --shard: tools/slurm_sweep.sh gives each task its own; drop it" ;; esac
 done
 [ -n "$out" ] || die "tools/slurm_sweep.sh needs --out FILE among the eval.py arguments: the shards write beside it"
-command -v sbatch >/dev/null || die "sbatch not found: run this on a Slurm login node (or tools/slurm_local.sh" \
-    "makes this machine a one-node cluster)"
+tasks=${NANOKV_ARRAY:-1-$n}  # Slurm's --array list: I, I-J, I-J:STEP, comma-separated, then %MAX at most at once
+[[ $tasks =~ ^[0-9]+(-[0-9]+(:[1-9][0-9]*)?)?(,[0-9]+(-[0-9]+(:[1-9][0-9]*)?)?)*(%[1-9][0-9]*)?$ ]] ||
+    die "NANOKV_ARRAY=$tasks is not a list of tasks such as 3,5 or 2-4"
+IFS=, read -ra parts <<<"${tasks%\%*}"
+for part in "${parts[@]}"; do  # each task I runs --shard I/N, which takes 1 <= I <= N
+    range=${part%%:*} first=${part%%[-:]*} last=${range#*-}
+    ((10#$first >= 1 && 10#$last <= n && 10#$first <= 10#$last)) ||
+        die "NANOKV_ARRAY=$tasks asks for task $part, but the $n shards are tasks 1 to $n"
+done
 given=${NANOKV_PYTHON:-$(command -v python || command -v python3 || echo python)}
 # its sys.executable: a full path that stays in its venv (realpath would leave it for the base interpreter)
 py=$("$given" -c "import sys, torch; print(sys.executable)" 2>/dev/null) || die "$given cannot import torch: activate" \
     "the environment you installed nanokv into, or set NANOKV_PYTHON=/path/to/venv/bin/python"
+# eval.py's own parser on the arguments every task gets (a misspelt flag, a bad --shard), in one line as eval.py says it
+why=$("$py" -c "import sys, eval; eval.build_parser().parse_args(sys.argv[1:])" "$sub" "$@" --shard "$n/$n" 2>&1) ||
+    die "every task would fail on its eval.py arguments (${why#error: }): fix them, then submit again"
+command -v sbatch >/dev/null || die "sbatch not found: run this on a Slurm login node (or tools/slurm_local.sh" \
+    "makes this machine a one-node cluster)"
 mkdir -p results/logs  # Slurm does not create the folder of --output: a job whose log cannot be opened fails unseen
 name=$(basename "$out" .json)
 args=$(printf ' %q' "$@")
@@ -55,10 +72,10 @@ if [ "$sub" = fidelity ]; then
     after=(--dependency="afterok:$full")
     echo "full cache: $full"
 fi
-array=$(submit "${res[@]}" -J "$name-shard" --array="${NANOKV_ARRAY:-1-$n}" "${after[@]}" \
+array=$(submit "${res[@]}" -J "$name-shard" --array="$tasks" "${after[@]}" \
     --output="results/logs/%x-%A_%a.out" \
     --wrap "$env exec $(printf %q "$py") eval.py $sub$args --shard \$SLURM_ARRAY_TASK_ID/$n")
-echo "shards: $array (tasks ${NANOKV_ARRAY:-1-$n} of $n)"
+echo "shards: $array (tasks $tasks of $n)"
 merge=$(submit -J "$name-merge" --dependency="afterok:$array" --output="results/logs/%x-%j.out" \
     --wrap "exec $(printf %q "$py") eval.py merge --out $(printf %q "$out")")
 echo "merge: $merge (logs in results/logs/)"

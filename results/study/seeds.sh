@@ -13,17 +13,22 @@
 # unprotected half of comparison 1, then the long traces of comparison 3.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+die() { echo "error: $*" >&2; exit 2; }
+usage="usage: bash results/study/seeds.sh A|B [STEP [POLICY,...]]"
+[ $# -ge 1 ] && [ $# -le 3 ] || die "$usage"
 lane=$1 only=$2 pick=$3
-machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))")
-log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only}${pick:+ $pick} ($machine): $*" >> results/study/seeds.log; }
-n=0  # steps are counted within the lane; with a second argument only that one runs
+[ "$lane" = A ] || [ "$lane" = B ] || die "lane '$lane': the lanes are A and B ($usage)"
+[ -z "$only" ] || [[ $only =~ ^[1-9][0-9]*$ ]] || die "step '$only' is not a step number ($usage)"
+[ -z "$pick" ] || [[ $pick =~ ^[a-z0-9-]+(,[a-z0-9-]+)*$ ]] || die "'$pick' is not a comma list of policies ($usage)"
+n=0 dry=1  # a first pass counts the lane's steps, so that a step it does not have is refused before anything runs
 step() {
-  n=$((n + 1)); [ -z "$only" ] || [ "$only" = $n ] || return 0
-  local a=("$@") i  # with a third argument: its policies in place of the step's own
+  n=$((n + 1)); [ -z "$dry" ] || return 0; [ -z "$only" ] || [ "$only" = $n ] || return 0
+  local a=("$@") i rc  # with a third argument: its policies in place of the step's own
   [ -z "$pick" ] || for i in "${!a[@]}"; do [ "${a[i]}" = --policies ] && a[i + 1]=$pick; done
-  log "start ${a[*]}"; "${a[@]}"; log "end (rc $?) ${a[*]}"
+  log "start ${a[*]}"; "${a[@]}"; rc=$?; log "end (rc $rc) ${a[*]}"
+  [ $rc = 0 ] || { echo "error: lane $lane step $n failed (rc $rc); the lane stops here (results/study/seeds.log)" >&2
+                   exit $rc; }  # the later steps would queue behind a failure nobody saw
 }
-
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16 --int-kernels"
 # GSM8K: claim 3's curve set (the first 100 problems whose protected prompt fits K = 160), K = 192, r = 16; its file
 # holds full, snapkv, random, vase and criticalkv at K = 192 already
@@ -34,6 +39,7 @@ MATH="$Q15 --no-refill --data data/math500.jsonl --n 100 --budgets 416 --buffer 
 LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 4096 --n 12
       --out results/study/longfid_q15.json"
 RA=rkv,triattention,triattention-layer        # Random Attention's baselines not yet run (snapkv, vase: done)
+steps() {
 if [ "$lane" = A ]; then
   step python eval.py accuracy --policies $RA --budgets 192 $GSM --protect-prompt                   # 1: RA
   step python eval.py accuracy --policies adakv,criticalkv-ada --budgets 192 $GSM --protect-prompt  # 2: CriticalKV
@@ -55,3 +61,11 @@ else
        --out results/study/fidelity_q15.json
   step python eval.py fidelity --policies curdkv-fixed,curdkv --budgets 512 --buffer 64 $LONG --keep-refs  # cut 3
 fi
+}
+
+steps
+[ -z "$only" ] || [ "$only" -le $n ] || die "lane $lane has steps 1 to $n, not $only"
+machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))") || die "python cannot import torch"
+log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only}${pick:+ $pick} ($machine): $*" >> results/study/seeds.log; }
+n=0 dry=
+steps
