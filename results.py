@@ -180,7 +180,7 @@ def consistent(row: dict, partial: bool = False) -> str | None:
             return f"holds problem i = {outside}, outside 0 .. n - 1 (n = {n})"
         if not partial and n is not None and len(seen) != n:
             return f"holds {len(seen)} problems for its n = {n}"
-    for k in ("kl_by_trace", "per_trace"):
+    for k in ("kl_by_trace", "per_trace", "trace_ids", "sentences_by_trace"):
         if k in row and n is not None and (len(row[k]) > n or not partial and len(row[k]) != n):
             return f"has {len(row[k])} entries in {k} for its n = {n} traces"
     if "sets" in row and {len(row[k]) for k in ("sets", "recall_by_set", "logprob_by_set") if k in row} != \
