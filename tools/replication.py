@@ -29,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import PAIRED, one_setting, tool_rows  # noqa: E402
+from results import PAIRED, one_setting, read_json, tool_rows  # noqa: E402
 from stats import EXACT, bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
+from tasks import is_loop  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
@@ -62,11 +63,37 @@ def accuracy_rows(paths: list[Path], by_buffer: bool = False) -> dict:
                                                                                          if by_buffer else ()))
 
 
-def fidelity_rows(paths: list[Path], by_protect: bool = False) -> dict:
+def fidelity_rows(paths: list[Path], by_protect: bool = False, loops: bool = False) -> dict:
     """(policy, budget, buffer) -> fidelity row; by_protect: (policy, budget, buffer, protect), so that a policy's
-    protected and unprotected rows stay apart (tools/seeds.py)."""
-    return rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]) + ((r["protect"],)
+    protected and unprotected rows stay apart (tools/seeds.py). A trace that loops (looping) is left out of every
+    row's kl_by_trace unless loops; a row left with no trace is left out (its cells read 'not run')."""
+    rows = rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]) + ((r["protect"],)
                                                                                         if by_protect else ()))
+    loop = looping(paths)
+    if loops or not any(loop):
+        return rows
+    kept = lambda r: [x for x, lp in zip(r["kl_by_trace"], loop) if not lp]
+    return {k: {**r, "kl_by_trace": kept(r), "n": len(kept(r))} for k, r in rows.items() if kept(r)}
+
+
+def looping(paths: list[Path]) -> list[bool]:
+    """Per trace of the fidelity rows in paths, whether it loops (tasks.is_loop on its generated tokens): the traces
+    that eval.py saved beside the first file that has them (FILE.traces.json, the model's own answers); [] where none
+    is saved (another model's traces, checked when eval.py read them)."""
+    for p in paths:
+        saved = Path(f"{p}.traces.json")
+        if saved.is_file():
+            return [is_loop(t["ids"][t["prompt_len"] :]) for t in read_json(saved, dict)["traces"]]
+    return []
+
+
+def loop_line(paths: list[Path], loops: bool) -> str | None:
+    """The footer that says how many of a long-trace column's traces loop, and what became of them."""
+    loop = looping(paths)
+    if not any(loop):
+        return None
+    what = "kept in the verdicts (--loops)" if loops else "left out of the verdicts (--loops keeps them)"
+    return f"{sum(loop)} of the {len(loop)} long traces loop (tasks.is_loop): {what}"
 
 
 class Cell:
@@ -197,6 +224,7 @@ def study_folder(path: str, files: tuple, whose: str, writer: str) -> Path:
 def main(argv=None):
     ap = Parser(description="The replication table from the study's result files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
+    ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")
     args = ap.parse_args(argv)
     try:
         d = study_folder(args.study, FILES, "the study's", "results/study/run.sh and replicate.sh")
@@ -205,7 +233,7 @@ def main(argv=None):
                                             fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),
             "0.5B, GSM8K (int4, K = 208)": (accuracy_rows([d / "claims_q05.json"]), {}, 208, []),
             "1.5B, MATH-500 (int4, K = 416)": (accuracy_rows([d / "math_q15.json"]), {}, 416, []),
-            "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"]), None,
+            "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"], loops=args.loops), None,
                                              [(512, 64), (288, 64)]),  # 288: random's longest prompt fits (220)
         }
         curve = accuracy_rows([d / "curve_q15.json"])
@@ -235,6 +263,9 @@ def main(argv=None):
                          for p in ("snapkv", "criticalkv", "vase", "random") if (p, k, True) in curve)
         if accs:
             print(f"- K = {k}: {accs}; " + "; ".join(map(mark, budget[k])))
+    said = loop_line([d / "longfid_q15.json"], args.loops)
+    if said:
+        print(f"\nLong traces: {said}.")
     print(f"\n{len(every)} comparisons: {len(family)} directional, {sum(survive.values())} of them significant after "
           f"Holm's correction across those {len(family)} (alpha = 0.05); {len(every) - len(family)} of parity.")
     print(f"Intervals over {EXACT} or fewer items (traces) are exact bootstraps, every resample enumerated; over more, "

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.
 
 from claims import NEEDS as CLAIMS_NEEDS  # noqa: E402
 from cli import Parser, UsageError  # noqa: E402
-from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, machines, settle,  # noqa: E402
+from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, loop_line, machines, settle,  # noqa: E402
                          spread_line, study_folder)
 from results import one_setting, tool_rows  # noqa: E402
 from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
@@ -182,13 +182,13 @@ def cost_line(path: Path) -> str:
                         for p in EPI))
 
 
-def tables(d: Path, long: Path | None = None, K: int = 512) -> tuple[dict, list]:
+def tables(d: Path, long: Path | None = None, K: int = 512, loops: bool = False) -> tuple[dict, list]:
     """Each paper -> its rows (comparison, paper's figure, a Cell, a (figure, verdict) pair, or None), and the
     settings' (name, accuracy rows) for the machines and the detectable differences. long: the long-trace rows in
     place of the study's own (e.g. eval.py fidelity --traces on public reasoning traces), at budget K."""
     gsm = accuracy_rows([d / "curve_q15.json"], by_buffer=True)  # (policy, K, protect, buffer)
     math = accuracy_rows([d / "math_q15.json"], by_buffer=True)
-    fid = fidelity_rows([long or d / "longfid_q15.json"], by_protect=True)  # (policy, K, r, protect)
+    fid = fidelity_rows([long or d / "longfid_q15.json"], by_protect=True, loops=loops)  # (policy, K, r, protect)
     rows = [r for r in tool_rows([p for p in [d / "fidelity_q15.json"] if p.exists()],
                                  {"perturbation": CLAIMS_NEEDS["perturbation"]}) if r["task"] == "perturbation"]
     one_setting(rows, "the perturbation rows")
@@ -233,6 +233,7 @@ def main(argv=None):
                     "results/issue51/bench_q15_int4.json)")
     ap.add_argument("--long", default=None, metavar="FILE", help="long-trace rows in place of the study's "
                     "longfid_q15.json: e.g. eval.py fidelity --traces on public reasoning traces (results/reasoning/)")
+    ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")
     ap.add_argument("--long-budget", type=int, default=512, metavar="K", help="the long-trace cells' K (r = 64, and "
                     "K/4 for EPIKV's; default 512)")
     args = ap.parse_args(argv)
@@ -240,7 +241,7 @@ def main(argv=None):
         d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
         if args.long and not Path(args.long).is_file():
             raise UsageError(f"--long {args.long}: no such file (the --out of eval.py fidelity --traces)")
-        papers, settings, fid = tables(d, args.long and Path(args.long), args.long_budget)
+        papers, settings, fid = tables(d, args.long and Path(args.long), args.long_budget, args.loops)
         cost = cost_line(Path(args.bench))
     except UsageError as e:
         sys.exit(f"error: {e}")
@@ -268,6 +269,9 @@ def main(argv=None):
             n = len(outcomes(full))
             print(f"- {name}: n = {n} problems, no accuracy difference below {min_detectable(n):.2f} can reach "
                   "p < 0.05")
+    said = None if args.long else loop_line([Path(args.study) / "longfid_q15.json"], args.loops)
+    if said:
+        print(f"- long traces: {said}")
     if fid:
         n = max(len(r["kl_by_trace"]) for r in fid.values())
         k = next((k for k in range((n + 1) // 2, n + 1) if sign_test([True] * k + [False] * (n - k),
