@@ -1,0 +1,73 @@
+"""
+Tests for the silently-wrong items of the outside rounds: protected slots under per-head budgets, thinking read from
+the template's own generation prompt, tie rules that hold at any thread count (curdkv, raas). Folded into test_all.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+import budgets
+import generate as G
+import policies_attention as PA
+import policies_values as PV
+import scoring as SC
+from cache import FREE
+from test_all import PROMPTS, QWEN3_TEMPLATE, R1_TEMPLATE, T_, ctx_for, generate_rows, think_dir, tiny  # noqa: F401
+from tokenizer import Tokenizer
+
+
+# ---- a protected slot survives every budget rule ----
+
+
+def lost_protected(model, name, K, r, protect, prompt):
+    """Generate with policy `name` and report every (round, layer, head, position) where a protected position (the
+    prompt, or the 4 sinks) was missing from a head's kept slots right after an eviction."""
+    run = G.make_run(name, K, r, protect, len(prompt))
+    below, lost = run.protect_below[0], []
+
+    def watch(cache, b, when, scores):
+        if when == "after":
+            for l, layer in enumerate(cache.pos[:, b]):  # [H_kv, cap]
+                for h, p in enumerate(layer):
+                    lost.extend((run.rounds[0], l, h, q) for q in set(range(below)) - set(p.tolist()))
+
+    run.watch = watch
+    G.generate(model, [prompt], run, 3 * (K + r))
+    assert run.evictions >= 2
+    return lost
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv-ada"])
+@pytest.mark.parametrize("protect", [True, False])
+def test_per_head_budgets_never_evict_a_protected_slot(tiny, name, protect):
+    """Whatever a head's budget rule gives, every KV head of every layer still holds every protected position (the
+    whole prompt with --protect-prompt, else the 4 sinks) after every round, over a range of budgets from the
+    smallest the settings allow (where FFY0's rounding, b_h = round(0.8 n + int(0.2 n)), fell one short) upwards."""
+    prompt, r = list(range(3, 11)), 8  # 8 tokens: n = K - r = 8 candidates all protected gave round(7.4) = 7
+    low = (len(prompt) if protect else SC.N_SINK) + r
+    for K in range(low, low + 12):
+        assert lost_protected(tiny, name, K, r, protect, prompt) == [], f"K = {K}"
+
+
+def test_adakv_budget_is_raised_to_the_protected_count():
+    """budgets.adakv, hand-worked: one head of n = 8 candidates all protected (+inf) wins 8 of the pool, and FFY0's
+    blend round(0.8 * 8 + int(1.6)) = round(7.4) = 7 would drop one; the budget is raised to its 8 protected slots.
+    The other head keeps its blend; a head never gets more than it holds."""
+    s = torch.cat([torch.full((1, 1, 8), math.inf), torch.rand(1, 1, 8)], 1)  # [1, 2, 8]
+    assert budgets.pooled_counts(s, 8).tolist() == [[8, 8]]
+    assert budgets.adakv(s, 8).tolist() == [[8, 7]]
+
+
+def test_evict_per_head_refuses_a_budget_below_the_protected_slots():
+    """cache.evict_per_head is the last guard: a head asked to keep fewer slots than it has protected ones stops with
+    an error that names the numbers, instead of dropping a +inf slot."""
+    import cache as C
+
+    kv = C.KVCache(1, 1, 2, 4, 16)
+    kv.pos[0, 0, :, :12] = torch.arange(12)
+    kv.length = [12]
+    protected = kv.protected(0, slice(0, 1), torch.tensor([6]), 2)  # 6 prompt + 2 recent = 8 per head
+    with pytest.raises(RuntimeError, match="8 protected"):
+        kv.evict(slice(0, 1), [torch.rand(1, 2, 12)], [protected], [torch.tensor([[8, 7]])], span=12)
