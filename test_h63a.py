@@ -71,3 +71,24 @@ def test_evict_per_head_refuses_a_budget_below_the_protected_slots():
     protected = kv.protected(0, slice(0, 1), torch.tensor([6]), 2)  # 6 prompt + 2 recent = 8 per head
     with pytest.raises(RuntimeError, match="8 protected"):
         kv.evict(slice(0, 1), [torch.rand(1, 2, 12)], [protected], [torch.tensor([[8, 7]])], span=12)
+
+
+# ---- thinking is what the template opened, never the user's words ----
+
+
+def test_thought_ignores_think_in_the_users_own_words(tmp_path):
+    """Tokenizer.thought reads only what the chat template wrote after the last turn: with Qwen3's thinking on, a user
+    who writes <think> in the question ("Say <think> twice.") opens no thinking, so an answer that does not think is
+    all answer and is graded; R1's own generation prompt still opens it, even after a user's </think>."""
+    import eval as ev
+
+    q3, r1 = Tokenizer(think_dir(tmp_path / "q3", QWEN3_TEMPLATE)), Tokenizer(think_dir(tmp_path / "r1", R1_TEMPLATE))
+    prompt = q3.encode(q3.chat([{"role": "user", "content": "Say <think> twice."}]))
+    out = q3.encode("Sure: <think> <think>. \\boxed{4}<eos>")
+    assert q3.thought(prompt, out) == T_(0, None, "Sure: <think> <think>. \\boxed{4}<eos>")
+    assert ev.answer_of(q3, out, "4", prompt)[2] == "4"
+    prompt = r1.encode(r1.chat([{"role": "user", "content": "Why </think>?"}]))
+    out = r1.encode("hmm</think>\\boxed{4}<eos>")
+    assert r1.thought(prompt, out) == T_(len("hmm") + 1, True, "\\boxed{4}<eos>")
+    assert r1.thought([], out) == T_(0, None, "hmm</think>\\boxed{4}<eos>")  # no prompt: nothing opened it
+    assert q3.generation_prompt() == "<|im_start|>assistant\n" and r1.generation_prompt() == "<｜Assistant｜><think>\n"
