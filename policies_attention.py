@@ -16,7 +16,7 @@ from torch import Tensor
 import budgets
 from cache import FREE
 from kernels import linear, window_attn_mass
-from scoring import ScoreCtx, newest_queries, snapkv_attention
+from scoring import ScoreCtx, newest_queries, ranked, snapkv_attention
 
 
 def snapkv(ctx: ScoreCtx) -> Tensor:
@@ -95,8 +95,10 @@ def raas_observe(cache, out, run):
 
 
 def raas(ctx: ScoreCtx) -> Tensor:
-    """RaaS: the most recently useful slots win, the oldest timestamps go (least recently used); the prompt is kept."""
-    return ctx.side["raas"]
+    """RaaS: the most recently useful slots win, the oldest timestamps go (least recently used); the prompt is kept.
+    Equal timestamps (every slot of one step's top half shares it) go to the newer slot: without a rule most cuts fell
+    inside such a block, and torch.topk's internal order chose."""
+    return ranked(ctx.side["raas"], ctx.pos)
 
 
 def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8) -> Tensor:

@@ -92,3 +92,57 @@ def test_thought_ignores_think_in_the_users_own_words(tmp_path):
     assert r1.thought(prompt, out) == T_(len("hmm") + 1, True, "\\boxed{4}<eos>")
     assert r1.thought([], out) == T_(0, None, "hmm</think>\\boxed{4}<eos>")  # no prompt: nothing opened it
     assert q3.generation_prompt() == "<|im_start|>assistant\n" and r1.generation_prompt() == "<｜Assistant｜><think>\n"
+
+
+# ---- ties get a rule: the newer slot wins ----
+
+
+def keep_of(scores, ctx, keep):
+    """The positions each head of row 0 keeps when cache.evict ranks scores [1, H_kv, S] (ctx's protection), as sets."""
+    import cache as C
+
+    B, H, S, D = ctx.keys.shape
+    kv = C.KVCache(1, B, H, D, S)
+    kv.pos[0, :, :, :S], kv.length = ctx.pos, [S] * B
+    kv.evict(slice(0, B), [scores], [ctx.protected], keep)
+    return [set(p[:keep].tolist()) for p in kv.pos[0, 0]]
+
+
+def test_ranked_orders_ties_by_position():
+    """scoring.ranked, hand-worked: ranks ascending by score, equal scores by position (newer higher, whatever the slot
+    order); with bits, scores within the grid tie; a NaN ranks lowest."""
+    pos = torch.tensor([[[0, 1, 2, 3]]])
+    assert SC.ranked(torch.tensor([[[3.0, 1.0, 3.0, 2.0]]]), pos).tolist() == [[[2.0, 0.0, 3.0, 1.0]]]
+    assert SC.ranked(torch.tensor([[[3.0, 1.0, 3.0, 2.0]]]), pos.flip(-1)).tolist() == [[[3.0, 0.0, 2.0, 1.0]]]
+    assert SC.ranked(torch.tensor([[[1.0, 1.1, 0.5, math.nan]]]), pos, bits=2).tolist() == [[[2.0, 3.0, 1.0, 0.0]]]
+    assert SC.ranked(torch.tensor([[[1.1, 1.0, 0.5, 0.7]]]), pos, bits=8).tolist() == [[[3.0, 2.0, 0.0, 1.0]]]
+
+
+def test_raas_equal_timestamps_keep_the_newer_slots():
+    """RaaS's cut inside a block of equal timestamps keeps the block's newest slots: the scores rise with position
+    inside the block, and cache.evict keeps, of 8 slots stamped alike, the 2 newest beside a newer stamp."""
+    ctx = ctx_for(S=16, B=1, budget=8, buffer=2, prompt=3)
+    ts = torch.tensor([0, 1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 13, 14, 15.0])  # slots 5-12 stamped 9 at one step
+    ctx.side["raas"] = ts.expand(1, 2, 16).clone()
+    s = PA.raas(ctx)
+    assert (s[0, :, 5:13].diff(dim=-1) > 0).all()  # inside the block, the newer slot ranks higher
+    assert keep_of(s, ctx, 8) == [{0, 1, 2, 11, 12, 13, 14, 15}] * 2  # prompt 3, 13, the block's newest 2, r = 2
+
+
+def test_curdkv_near_ties_go_to_the_newer_slot():
+    """curdkv: two slots of one 16-slot window with the same value and the same key up to a rounding (1e-6 relative,
+    as a row batched and alone differ; a repeated token after RoPE) tie, and the newer one is kept whichever of the
+    two keys is the larger: the kept set does not depend on last-bit rounding. The exact score follows it."""
+    ctx = ctx_for(S=24, B=1, budget=10, buffer=4, prompt=4)
+    kept = []
+    for up in (True, False):
+        k, v = ctx.keys.clone(), ctx.values.clone()
+        k[:, :, 6] = k[:, :, 9] = torch.linspace(1, 2, k.shape[-1]) * 3  # slots 6 and 9: the largest leverage
+        v[:, :, 6] = v[:, :, 9] = torch.linspace(2, 1, v.shape[-1]) * 3
+        k[:, :, 6] *= 1 + (1e-6 if up else -1e-6)
+        c = ctx_for(S=24, B=1, budget=10, buffer=4, prompt=4)
+        c.keys, c.values = k, v
+        exact = PV.cur_leverage(k, window=16) * PV.cur_leverage(v, window=16)  # kvpress's score, before the rule
+        assert (exact[0, :, 6] > exact[0, :, 9]).all() == up  # the exact scores follow the nudge
+        kept.append(keep_of(PV.curdkv(c), c, 4 + 1 + 4))  # sinks, one candidate, the buffer
+    assert kept[0] == kept[1] == [{0, 1, 2, 3, 9, 20, 21, 22, 23}] * 2
