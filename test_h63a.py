@@ -146,3 +146,32 @@ def test_curdkv_near_ties_go_to_the_newer_slot():
         assert (exact[0, :, 6] > exact[0, :, 9]).all() == up  # the exact scores follow the nudge
         kept.append(keep_of(PV.curdkv(c), c, 4 + 1 + 4))  # sinks, one candidate, the buffer
     assert kept[0] == kept[1] == [{0, 1, 2, 3, 9, 20, 21, 22, 23}] * 2
+
+
+# ---- TriAttention's statistics on a q_norm model: the authors' queries ----
+
+
+def test_triattention_calibration_on_qk_norm_reads_q_proj_before_q_norm(tmp_path):
+    """On a Qwen3-layout model (q_norm), calibrate takes the authors' queries: q_proj's output on each layer's normed
+    input, before q_norm (scripts/calibrate.py's hook; their run-time scoring reads that file as it is). They differ
+    from the queries the model attends with, which the un-rotated post-RoPE path would have measured."""
+    import triattention as TA
+    from test_all import ARCHS, load_model, tiny_dir
+
+    model = load_model(tiny_dir(str(tmp_path / "q3"), **ARCHS["qwen3-qknorm"]))
+    cfg = model.cfg
+    H_q, D, T = cfg.num_attention_heads, cfg.head_dim, 40
+    ids = list(range(3, 3 + T))
+    got = TA.calibrate(model, ids)
+    cache = G.make_cache(model, G.make_run("full", None, 8, None, 1), T)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), cache, collect=True)
+        h = model.model.embed_tokens(torch.tensor([ids]))
+        for l, blk in enumerate(model.model.layers):
+            q = (blk.input_layernorm(h) @ blk.self_attn.q_proj.weight.T)[0].view(T, H_q, D).transpose(0, 1)
+            qc = torch.complex(q[..., : D // 2].double(), q[..., D // 2 :].double())  # [H_q, T, D / 2]
+            torch.testing.assert_close(got.q_mean[l], qc.mean(1).to(torch.complex64), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.q_abs[l], qc.abs().mean(1).float(), atol=1e-5, rtol=1e-5)
+            normed = blk.self_attn.q_norm(q)  # what the model attends with, before RoPE
+            assert (normed.abs().mean() - q.abs().mean()).abs() > 1e-3  # so the two statistics differ
+            h = out.hidden[l]
