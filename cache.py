@@ -206,8 +206,9 @@ class KVCache:
             m = int(kh.max())
             must = p.sum(-1)  # [n, H_kv] slots each head must keep: protected positions and the recent buffer
             if (kh < must).any():  # a budget rule that gives a head less would drop a +inf slot: a bug, never a choice
-                raise RuntimeError(f"layer {layer}: a head's budget {int(kh[kh < must][0])} is below its "
-                                   f"{int(must[kh < must][0])} protected slots: raise it in the budget rule (budgets.py)")
+                short = kh < must
+                raise RuntimeError(f"layer {layer}: a head's budget {int(kh[short][0])} is below its "
+                                   f"{int(must[short][0])} protected slots: raise it in the budget rule (budgets.py)")
             if m > span:
                 raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by budgets.row_span")
             # each head's best first; those past its own count sort to the end (as slot S), then temporal order

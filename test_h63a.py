@@ -91,7 +91,8 @@ def test_thought_ignores_think_in_the_users_own_words(tmp_path):
     out = r1.encode("hmm</think>\\boxed{4}<eos>")
     assert r1.thought(prompt, out) == T_(len("hmm") + 1, True, "\\boxed{4}<eos>")
     assert r1.thought([], out) == T_(0, None, "hmm</think>\\boxed{4}<eos>")  # no prompt: nothing opened it
-    assert q3.generation_prompt() == "<|im_start|>assistant\n" and r1.generation_prompt() == "<｜Assistant｜><think>\n"
+    assert q3.generation_prompt() == "<|im_start|>assistant\n"
+    assert r1.generation_prompt() == "<｜Assistant｜><think>\n"
 
 
 # ---- ties get a rule: the newer slot wins ----

@@ -164,9 +164,10 @@ class Tokenizer:
 
     def generation_prompt(self) -> str:
         """What the template itself writes after the last turn: a one-turn conversation rendered with the generation
-        prompt, less the same rendered without it. e.g. R1: "<｜Assistant｜><think>\n"; Qwen3: "<|im_start|>assistant\n",
-        plus "<think>\n\n</think>\n\n" with enable_thinking false. It depends on the switch, not on the conversation,
-        in every template nanokv renders (tool calls are left out), so one render serves every prompt."""
+        prompt, less the same rendered without it. e.g. R1: "<｜Assistant｜><think>\n"; Qwen3:
+        "<|im_start|>assistant\n", plus "<think>\n\n</think>\n\n" with enable_thinking false. It depends on the
+        switch, not on the conversation, in every template nanokv renders (tool calls are left out), so one render
+        serves every prompt."""
         if not self.thinks:
             return ""
         turn = [{"role": "user", "content": "?"}]
@@ -177,9 +178,10 @@ class Tokenizer:
         """Split generated ids where the thinking ends. An answer thinks when its prompt ends with a generation prompt
         that leaves <think> open (R1's template) or when it begins with <think> (Qwen3 thinking on its own); it ends
         with the token that completes </think>. Found in the bytes of the tokens, so it also works where </think> is no
-        token of its own. e.g. R1: prompt "...<｜Assistant｜><think>\n", answer "x = 2.</think>So \\boxed{2}" -> tokens up
-        to </think>, closed, answer "So \\boxed{2}"; Qwen3 with enable_thinking false: its prompt closed it, so 0, None,
-        all. subtle: only the template's own words count: a user who writes <think> in the question opens nothing."""
+        token of its own. e.g. R1: prompt "...<｜Assistant｜><think>\n", answer "x = 2.</think>So \\boxed{2}" ->
+        tokens up to </think>, closed, answer "So \\boxed{2}"; Qwen3 with enable_thinking false: its prompt closed it,
+        so 0, None, all. subtle: only the template's own words count: a user who writes <think> in the question opens
+        nothing."""
         if self.opener is None:  # rendered once: the generation prompt, if it leaves <think> open (else "")
             gen = self.generation_prompt()
             self.opener = gen if gen.rfind(THINK) > gen.rfind(END_THINK) else ""

@@ -86,8 +86,8 @@ def calibrate(model, ids: list[int]) -> FreqStats:
         back = torch.polar(torch.ones_like(angle), angle)  # e^{-i w p}: RoPE undone
         pre = queries_before_norm(model, x, out) if cfg.qk_norm else None
         for l, q in enumerate(out.queries):  # [1, H_q, T, D] post-RoPE
-            if pre is None:
-                z = torch.complex(q[0, ..., :F].double(), q[0, ..., F:].double()) * back / model.rope_scale  # [H_q, T, F]
+            if pre is None:  # [H_q, T, F]
+                z = torch.complex(q[0, ..., :F].double(), q[0, ..., F:].double()) * back / model.rope_scale
             else:
                 z = torch.complex(pre[l][..., :F].double(), pre[l][..., F:].double())  # pre-RoPE already
             q_sum[l] += z.sum(1)

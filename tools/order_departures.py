@@ -42,7 +42,8 @@ def run_order(score, K, r, rounds, seed, kvpress_order, H=2, D=64):
     pos = torch.arange(K + r).repeat(H, 1)  # [H, S] the slots' positions
     seen = []
     for rd in range(rounds):
-        keys, values = k_all.gather(1, pos[..., None].expand(-1, -1, D)), v_all.gather(1, pos[..., None].expand(-1, -1, D))
+        at = pos[..., None].expand(-1, -1, D)
+        keys, values = k_all.gather(1, at), v_all.gather(1, at)
         ctx = ctx_of(keys[None], values[None], pos[None], K, r)
         s = score(ctx)[0].expand(H, -1).masked_fill(ctx.protected[0], float("inf"))
         idx = s.topk(K, dim=-1).indices  # best first
@@ -70,7 +71,8 @@ def order_table():
             js.append([sum(jaccard(x, y) for x, y in zip(ra, rb)) / len(ra) for ra, rb in zip(a, b)])
         mean = lambda i: sum(j[i] for j in js) / len(js)
         last = [j[-1] for j in js]
-        print(f"| {name} | {K} | {r} | {mean(0):.3f} | {mean(1):.3f} | {mean(7):.3f} ({min(last):.3f}-{max(last):.3f}) |")
+        print(f"| {name} | {K} | {r} | {mean(0):.3f} | {mean(1):.3f} | {mean(7):.3f} "
+              f"({min(last):.3f}-{max(last):.3f}) |")
 
 
 def ties_table(model, tok, K=128, r=64, n=512):
@@ -95,7 +97,8 @@ def ties_table(model, tok, K=128, r=64, n=512):
                 prot = ctx.protected | (pos < run.protect_below[b])
                 raw = curdkv(ctx, bits=0) if name == "curdkv" else cache.side["raas"][l, b : b + 1, :, :S]
                 for h in range(pos.shape[1]):
-                    x, rule = raw[0, h].masked_fill(prot[0, h], float("inf")), scores[l][h].masked_fill(prot[0, h], float("inf"))
+                    inf = float("inf")
+                    x, rule = raw[0, h].masked_fill(prot[0, h], inf), scores[l][h].masked_fill(prot[0, h], inf)
                     a, c = set(x.topk(K).indices.tolist()), set(rule.topk(K).indices.tolist())
                     v = x.sort(descending=True).values
                     count["cuts"] += 1
