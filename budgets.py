@@ -44,8 +44,14 @@ def adakv(s: Tensor, n: int, alpha: float = SAFEGUARD) -> Tensor:
     """AdaKV's head budgets [B, H_kv] from candidate scores s [B, H_kv, S] (+inf where a slot must stay, -inf where
     a head holds nothing) for n candidates per head on average: b_h = round(n_h (1 - α) + ⌊α n⌋), as FFY0/AdaKV
     rounds it, so the heads' sum is H_kv * n within a slot or two. e.g. two heads, n = 10, n_h = (13, 7):
-    (10.4 + 2, 5.6 + 2) -> (12, 8). A head never gets more than it holds (possible from the second round on)."""
+    (10.4 + 2, 5.6 + 2) -> (12, 8). A head never gets less than its +inf slots, nor more than it holds (possible
+    from the second round on).
+    subtle: the blend can fall short of what must stay. A head whose n candidates are all protected wins n_h = n of
+    the pool, and round(0.8 n + ⌊0.2 n⌋) is n - 1 whenever 0.2 n has a fractional part of one half or more (n = 8:
+    round(7.4) = 7). FFY0 never meets this (it protects nothing but the window, kept on top); we raise the budget to
+    the protected count, which adds at most one slot to the head."""
     b = (pooled_counts(s, n) * (1 - alpha) + int(alpha * n)).round().long()
+    b = torch.maximum(b, (s == torch.inf).sum(-1))  # a protected slot is never evicted, whatever the blend says
     return torch.minimum(b, (s > -torch.inf).sum(-1))
 
 

@@ -204,6 +204,11 @@ class KVCache:
             s = s.float().nan_to_num(nan=-float("inf")).expand(n, H, S).masked_fill(p, float("inf"))
             s = s.masked_fill(pos[:, :, :S] == FREE, -float("inf"))  # a free slot is never kept
             m = int(kh.max())
+            must = p.sum(-1)  # [n, H_kv] slots each head must keep: protected positions and the recent buffer
+            if (kh < must).any():  # a budget rule that gives a head less would drop a +inf slot: a bug, never a choice
+                short = kh < must
+                raise RuntimeError(f"layer {layer}: a head's budget {int(kh[short][0])} is below its "
+                                   f"{int(must[short][0])} protected slots: raise it in the budget rule (budgets.py)")
             if m > span:
                 raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by budgets.row_span")
             # each head's best first; those past its own count sort to the end (as slot S), then temporal order

@@ -16,7 +16,7 @@ from torch import Tensor
 import budgets
 from cache import FREE
 from kernels import linear, window_attn_mass
-from scoring import ScoreCtx, newest_queries, snapkv_attention
+from scoring import ScoreCtx, newest_queries, ranked, snapkv_attention
 
 
 def snapkv(ctx: ScoreCtx) -> Tensor:
@@ -95,8 +95,10 @@ def raas_observe(cache, out, run):
 
 
 def raas(ctx: ScoreCtx) -> Tensor:
-    """RaaS: the most recently useful slots win, the oldest timestamps go (least recently used); the prompt is kept."""
-    return ctx.side["raas"]
+    """RaaS: the most recently useful slots win, the oldest timestamps go (least recently used); the prompt is kept.
+    Equal timestamps (every slot of one step's top half shares it) go to the newer slot: without a rule most cuts fell
+    inside such a block, and torch.topk's internal order chose."""
+    return ranked(ctx.side["raas"], ctx.pos)
 
 
 def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8) -> Tensor:
@@ -137,11 +139,14 @@ def rkv(ctx: ScoreCtx, lam: float = 0.1, threshold: float = 0.5, window: int = 8
 # --- budgets that differ per head (budgets.py allocates, the scorer votes) -----------------------------------------
 
 
-def adakv(ctx: ScoreCtx, alpha: float = budgets.SAFEGUARD) -> Tensor:
+def adakv(ctx: ScoreCtx, alpha: float = budgets.SAFEGUARD, vote=snapkv_attention) -> Tensor:
     """AdaKV (https://arxiv.org/abs/2407.11550) on SnapKV, as FFY0/AdaKV's update_kv_gqa: the layer's K - r
     candidates per head become H_kv * (K - r) over the layer, shared by pooling the heads' votes (budgets.adakv);
-    each head keeps its own top b_h, the recent buffer on top. Holes (slots a head no longer holds) never count."""
-    s = snapkv_attention(ctx)  # [B, H_kv, S]
+    each head keeps its own top b_h, the recent buffer on top. Holes (slots a head no longer holds) never count.
+    note: the vote is kvpress's SnapKV (avg-pool 5 over the window of r queries), the one criticalkv-ada reads, so the
+    CriticalKV comparison's two arms differ only in CriticalKV's stages; FFY0's released GQA scripts vote with a
+    max-pool of 7 over 32 queries (tools/perhead_departures.py measures that vote as `vote`)."""
+    s = vote(ctx)  # [B, H_kv, S]
     n = ctx.keys.shape[2] - ctx.buffer  # candidates; the buffer is kept on top of every head's budget
     cand = s[..., :n].masked_fill(ctx.protected[..., :n], math.inf).masked_fill(ctx.pos[..., :n] == FREE, -math.inf)
     ctx.keep = budgets.adakv(cand, ctx.budget - ctx.buffer, alpha) + ctx.buffer

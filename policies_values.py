@@ -16,7 +16,9 @@ from torch import Tensor
 import budgets
 from cache import FREE
 from kernels import dense
-from scoring import BIG, N_SINK, ScoreCtx, draw, gumbel_log_weights, snapkv_attention, top_candidates
+from scoring import BIG, N_SINK, ScoreCtx, draw, gumbel_log_weights, ranked, snapkv_attention, top_candidates
+
+CURDKV_BITS = 10  # curdkv's scores count as equal within 2^-10 (0.1 %) of each other: ties then go to the newer slot
 
 
 def candidate_attention(ctx: ScoreCtx) -> Tensor:
@@ -68,10 +70,15 @@ def vase_dkv(ctx: ScoreCtx, rank: int = 20) -> Tensor:
     return cur_leverage(ctx.keys, G) * cur_leverage(ctx.values, G)
 
 
-def curdkv(ctx: ScoreCtx, window: int = 16) -> Tensor:
+def curdkv(ctx: ScoreCtx, window: int = 16, bits: int = CURDKV_BITS) -> Tensor:
     """CurDKV (https://arxiv.org/abs/2509.15038) as kvpress's CURPress defaults: deterministic, the exact ||k||^2 *
-    ||v||^2 (the sketch off), each normalised within 16-slot windows; the 4 sinks come from protection."""
-    return cur_leverage(ctx.keys, window=window) * cur_leverage(ctx.values, window=window)
+    ||v||^2 (the sketch off), each normalised within 16-slot windows; the 4 sinks come from protection. Ranked with
+    ties to the newer slot, the score rounded to `bits` significant bits first (scoring.ranked; bits = 0: exact).
+    subtle: a token repeated inside a window ties in fact in layer 0 (the same value, and RoPE keeps a key's norm), but
+    its two key norms differ in their last bits, and differently in a batch than alone: without the rule, a row's
+    kept set depended on its batch and on the thread count."""
+    s = cur_leverage(ctx.keys, window=window) * cur_leverage(ctx.values, window=window)
+    return ranked(s, ctx.pos, bits) if bits else s
 
 
 def value_norms(values: Tensor, wo: Tensor) -> Tensor:

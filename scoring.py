@@ -2,7 +2,8 @@
 What a scorer sees, and the few helpers scorers share (one place for each idea): ScoreCtx, one layer of the rows due
 for eviction; the recent window's attention and SnapKV's vote, which several families build on; a top-n mask; per-row
 random draws. A scorer maps a ScoreCtx to scores [B, H_kv or 1, S], higher = keep; cache.evict selects, never a scorer.
-The scorers live by the signal they read (policies.py has the map and the registry).
+The scorers live by the signal they read (policies.py has the map and the registry). Ties get a rule (ranked) where
+a scorer's scores tie in fact: RaaS's timestamps, CurDKV's leverage of a repeated token.
 """
 
 import math
@@ -91,6 +92,23 @@ def top_candidates(x: Tensor, protected: Tensor, n: int | list[int]) -> Tensor:
     x = x.masked_fill(protected, -math.inf)
     n = max(0, min(n, x.shape[-1]))
     return torch.zeros_like(protected).scatter_(-1, x.topk(n, dim=-1).indices, True) & ~protected
+
+
+def ranked(score: Tensor, pos: Tensor, bits: int = 0) -> Tensor:
+    """Scores [B, H_kv, S] -> their ranks 0 .. S - 1 as floats (higher = keep), equal scores ordered by position, the
+    newer higher: a tie gets a rule instead of torch.topk's internal order. With bits > 0 each score is first rounded
+    to that many significant bits, so that two scores a last-bit rounding apart (a row scored in a batch and alone, a
+    repeated token's key norm before and after RoPE) tie too and fall to the rule; only a score within that rounding
+    of a step of the grid (2^-bits relative) can still go either way. A NaN ranks lowest (cache.evict's rule).
+    e.g. [3, 1, 3] at positions [0, 1, 2] -> [1, 0, 2]; with bits = 2, [1.0, 1.1] -> 1.0 and 1.0: the newer wins."""
+    x = score.float().nan_to_num(nan=-math.inf)
+    if bits:
+        m, e = torch.frexp(x)  # x = m * 2^e, 0.5 <= |m| < 1
+        x = torch.where(x.isfinite(), torch.ldexp(torch.round(m * 2**bits) / 2**bits, e), x)
+    by_pos = pos.argsort(-1)  # [B, H_kv, S] oldest first
+    order = by_pos.gather(-1, x.gather(-1, by_pos).argsort(dim=-1, stable=True))  # ascending score, ties oldest first
+    ranks = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype).expand_as(x)
+    return torch.empty_like(x).scatter_(-1, order, ranks)
 
 
 def draw(ctx: ScoreCtx, fn: Callable, *shape: int) -> Tensor:

@@ -13,6 +13,7 @@ eos_token and enable_thinking.
 """
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -123,6 +124,7 @@ class Tokenizer:
                 raise ModelError(f"--{'' if thinking else 'no-'}thinking: the model in {path} {what}: drop the flag")
         self.thinking = thinking  # enable_thinking for a template with the switch; None: the template's default
         self.said_plain = False  # whether we told the user that prompts go in as plain text
+        self.opener = None  # the generation prompt if it opens <think> (R1's), "" if not; found on first use (thought)
         special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
         self.bos_token, self.eos_token = special("bos_token"), special("eos_token")
         cfg = ModelConfig.from_hf(path)
@@ -174,16 +176,35 @@ class Tokenizer:
             raise ModelError(f"{self.template_file}: the chat template fails{line} ({type(e).__name__}: "
                              f"{(str(e) or '?').splitlines()[0]}): fix the template there") from None
 
+    def generation_prompt(self) -> str:
+        """What the template itself writes after the last turn: a one-turn conversation rendered with the generation
+        prompt, less the same rendered without it. e.g. R1: "<｜Assistant｜><think>\n"; Qwen3:
+        "<|im_start|>assistant\n", plus "<think>\n\n</think>\n\n" with enable_thinking false. It depends on the
+        switch, not on the conversation, in every template nanokv renders (tool calls are left out), so one render
+        serves every prompt."""
+        if not self.thinks:
+            return ""
+        turn = [{"role": "user", "content": "?"}]
+        with_, without = self.chat(turn), self.chat(turn, add_generation_prompt=False)
+        return with_[len(os.path.commonprefix([with_, without])):]
+
     def thought(self, prompt: list[int], ids: list[int]) -> Thought:
-        """Split generated ids where the thinking ends. An answer thinks when its prompt left <think> open (R1's
-        template) or when it begins with <think> (Qwen3 thinking on its own); it ends with the token that completes
-        </think>. Found in the bytes of the tokens, so it also works where </think> is no token of its own.
-        e.g. R1: prompt "...<｜Assistant｜><think>\n", answer "x = 2.</think>So \\boxed{2}" -> tokens up to </think>,
-        closed, answer "So \\boxed{2}"; Qwen3 with enable_thinking false: its prompt closed it, so 0, None, all."""
-        head = b"".join(self.token_bytes(prompt[-32:])).decode("utf-8", "replace")  # the generation prompt's tail
+        """Split generated ids where the thinking ends. An answer thinks when its prompt ends with a generation prompt
+        that leaves <think> open (R1's template) or when it begins with <think> (Qwen3 thinking on its own); it ends
+        with the token that completes </think>. Found in the bytes of the tokens, so it also works where </think> is no
+        token of its own. e.g. R1: prompt "...<｜Assistant｜><think>\n", answer "x = 2.</think>So \\boxed{2}" ->
+        tokens up to </think>, closed, answer "So \\boxed{2}"; Qwen3 with enable_thinking false: its prompt closed it,
+        so 0, None, all. subtle: only the template's own words count: a user who writes <think> in the question opens
+        nothing."""
+        if self.opener is None:  # rendered once: the generation prompt, if it leaves <think> open (else "")
+            gen = self.generation_prompt()
+            self.opener = gen if gen.rfind(THINK) > gen.rfind(END_THINK) else ""
+        # a token spells at least one byte, so the last len(opener) bytes' worth of tokens holds the whole opener
+        head = b"".join(self.token_bytes(prompt[-len(self.opener.encode()):])) if self.opener else b""
         pieces = self.token_bytes(ids)
         text = b"".join(pieces)
-        if not (head.rfind(THINK) > head.rfind(END_THINK) or text.lstrip().startswith(THINK.encode())):
+        opened = bool(self.opener) and head.decode("utf-8", "replace").endswith(self.opener)
+        if not (opened or text.lstrip().startswith(THINK.encode())):
             return Thought(0, None, self.decode(ids))
         end = text.find(END_THINK.encode())
         if end < 0:

@@ -67,7 +67,11 @@ def calibration_ids(tok, vocab: int, n: int) -> list[int]:
 def calibrate(model, ids: list[int]) -> FreqStats:
     """One pass of ids through the model (chunks of CAL_CHUNK, a full cache): per layer and query head, the complex
     mean and mean modulus of each frequency of the pre-RoPE queries, as the authors' scripts/calibrate.py computes them.
-    The model hands back post-RoPE queries; we un-rotate them by their positions (and RoPE's attention scaling)."""
+    The model hands back post-RoPE queries; we un-rotate them by their positions (and RoPE's attention scaling).
+    subtle: the authors' queries are q_proj's output, taken before q_norm. On a model with q_norm (Qwen3's layout)
+    those are not the queries it attends with, and the authors' run-time scoring reads its statistics file against
+    the cached (k_norm'ed) keys as it is: so we take q_proj's output there too (queries_before_norm), and an authors'
+    file and our own hold the same statistic. Without q_norm the two are the same numbers up to rounding."""
 
     cfg, dev = model.cfg, model.device
     L, H_q, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
@@ -80,12 +84,33 @@ def calibrate(model, ids: list[int]) -> FreqStats:
         out = model(x, cache, collect=True)
         angle = -out.chunk.pos[0, :, None].double() * model.inv_freq  # [T, F]
         back = torch.polar(torch.ones_like(angle), angle)  # e^{-i w p}: RoPE undone
+        pre = queries_before_norm(model, x, out) if cfg.qk_norm else None
         for l, q in enumerate(out.queries):  # [1, H_q, T, D] post-RoPE
-            z = torch.complex(q[0, ..., :F].double(), q[0, ..., F:].double()) * back / model.rope_scale  # [H_q, T, F]
+            if pre is None:  # [H_q, T, F]
+                z = torch.complex(q[0, ..., :F].double(), q[0, ..., F:].double()) * back / model.rope_scale
+            else:
+                z = torch.complex(pre[l][..., :F].double(), pre[l][..., F:].double())  # pre-RoPE already
             q_sum[l] += z.sum(1)
             abs_sum[l] += z.abs().sum(1)
     n = len(ids)
     return FreqStats((q_sum / n).to(torch.complex64), (abs_sum / n).float(), model.inv_freq.double())
+
+
+def queries_before_norm(model, x: Tensor, out) -> list[Tensor]:
+    """Per layer, q_proj's output for the chunk x [1, T] (bias included, before q_norm and RoPE), [H_q, T, D]: what the
+    authors' calibration hook computes from each attention layer's input. out: the chunk's forward with collect=True."""
+    from kernels import linear
+
+    cfg = model.cfg
+    H_q, D = cfg.num_attention_heads, cfg.head_dim
+    h, qs = model.model.embed_tokens(x), []  # the residual stream entering layer 0, [1, T, hidden]
+    for l, blk in enumerate(model.model.layers):
+        att = blk.self_attn  # the fused q/k/v matmul, as the forward runs it (any weight kind), then q's rows
+        qkv = linear(blk.input_layernorm(h), att.wqkv)
+        q = (qkv if att.bqkv is None else qkv + att.bqkv)[0, :, : H_q * D]  # [T, H_q * D]
+        qs.append(q.view(-1, H_q, D).transpose(0, 1))
+        h = out.hidden[l]  # layer l's output: layer l + 1's input
+    return qs
 
 
 def to_authors_format(stats: FreqStats, meta: dict) -> dict:
@@ -167,6 +192,7 @@ def weights_key(model) -> str:
     parts = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     parts += [model.quant, str(model.model.embed_tokens.weight.dtype), CAL_TOKENS, CAL_CHUNK,
               hashlib.sha256(CAL_TEXT.read_bytes()).hexdigest()]
+    parts += ["q_proj before q_norm"] if model.cfg.qk_norm else []  # statistics saved before that rule are stale
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
 
 

@@ -13,6 +13,9 @@ at the first eviction round, where both see the same cache (the references run o
   and the Jaccard of the rest.
 - adakv's cap: from the second round a head holds only its own slots, and budgets.adakv caps b_h at them. Counted over
   a whole answer at K = 128 and 192: how many (layer, head, round) budgets the cap bound, and the slots it cost.
+- adakv's vote: kvpress's SnapKV (avg-pool 5, the window of r queries; criticalkv-ada's too) against FFY0's released
+  GQA settings (max-pool 7 over the newest 32 queries, mean over the group): Jaccard of the kept positions per
+  (layer, KV head) and how many head budgets agree, first round.
 """
 
 import sys
@@ -20,13 +23,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+import math  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from functools import partial  # noqa: E402
+
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import budgets  # noqa: E402
 import generate as G  # noqa: E402
 from cache import FREE  # noqa: E402
 from cli import load  # noqa: E402
-from kernels import dense  # noqa: E402
+from kernels import dense, window_attn_mass  # noqa: E402
+from policies import POLICIES  # noqa: E402
+from policies_attention import adakv  # noqa: E402
+from scoring import group_mean, newest_queries  # noqa: E402
+
+
+def ffy0_vote(ctx, window=32, kernel=7):
+    """FFY0/AdaKV's calcul_attn_sore with its released GQA settings (c*_w32_k7_maxpool, gqa_func mean): the newest 32
+    queries' softmax over the keys each sees, mean over them, the candidates' columns max-pooled over 7, mean over the
+    GQA group. [B, H_kv, S], the buffer at 0 (kept anyway)."""
+    n = ctx.keys.shape[2] - ctx.buffer
+    q, q_pos = newest_queries(ctx, window)
+    a = window_attn_mass(q, ctx.keys, q_pos, ctx.pos, 1.0 / math.sqrt(ctx.keys.shape[-1]))[..., :n] / window
+    a = F.max_pool1d(a, kernel_size=kernel, stride=1, padding=kernel // 2)
+    return F.pad(group_mean(a, ctx.cfg.n_rep), (0, ctx.buffer))
 
 
 def first_round(model, ids, name, K, r, protect, sinks=True):
@@ -101,6 +123,14 @@ def main():
                 total += r
                 j.append(jaccard(kept[l][h] - window, w - window))
         print(f"| {K} | {int(0.2 * K)} | {dropped} of {total} | {sum(j) / len(j):.3f} | {same} |")
+    print("\nadakv's vote, first round (sinks): kvpress's SnapKV (nanokv) against FFY0's max-pool 7 over 32 queries")
+    print("| K | Jaccard of kept positions | head budgets equal |")
+    print("|---|---|---|")
+    POLICIES["adakv-ffy0"] = replace(POLICIES["adakv"], score=partial(adakv, vote=ffy0_vote))
+    for K in (128, 192, 256):
+        kept, keep, _ = first_round(model, ids, "adakv", K, r, False)
+        kept_f, keep_f, _ = first_round(model, ids, "adakv-ffy0", K, r, False)
+        print(f"| {K} | {mean_j(kept, kept_f):.3f} | {int((keep == keep_f).sum())} of {keep.numel()} |")
     print("\nadakv over the whole answer (default protection, r = 64): budgets the cap bound")
     count = {}
     blend = budgets.adakv
