@@ -154,7 +154,8 @@ def cpu_threads(device, dtype: torch.dtype, quant: str | None):
 
 
 def peak_memory_mb(device) -> float:
-    """Peak memory so far: CUDA allocator peak, else the process's peak resident set."""
+    """Peak memory so far in MiB (2**20 bytes, as every memory figure of nanokv): CUDA allocator peak, else the
+    process's peak resident set."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
@@ -208,13 +209,14 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
         raise ModelError(str(e)) from None
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
-    tok = Tokenizer(model_dir, thinking, typed or model_dir)  # first: a --thinking the template cannot take stops before the weights load
+    # first: a --thinking the template cannot take stops before the weights load
+    tok = Tokenizer(model_dir, thinking, typed or model_dir)
     model = load_model(model_dir, device, dtype, quant)
     if bf16_matmul(device, dtype, quant, rows):
         from quant import bf16_copies
 
         note(f"[quant] steps of many rows run the same int4/int8 values through bf16 copies "
-             f"({bf16_copies(model) / 1e9:.1f} GB more memory)")
+             f"({bf16_copies(model) / 2**30:.1f} GiB more memory)")
     return model, tok
 
 

@@ -227,12 +227,14 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
 
 
 HOST = os.uname().nodename  # temporary files name their writer by host and process id, so a stale one can be told
-STALE_S = 3600  # a temporary file no process of ours can be seen writing is stale after this long (a write takes seconds)
+STALE_S = 3600  # seconds after which a temporary file no live process of ours is seen writing is stale (a write
+# takes seconds)
 
 
 def temp_beside(path: Path) -> tuple[int, str]:
     """A new temporary file beside path for this process to write and rename over it, named after its writer:
-    rows.json.HOST.PID.XXXXXXXX.tmp (mkstemp's random part). Returns (fd, its name). Stale ones go first (clear_stale)."""
+    rows.json.HOST.PID.XXXXXXXX.tmp (mkstemp's random part). Returns (fd, its name). Stale ones go first
+    (clear_stale)."""
     clear_stale(path)
     return tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{HOST}.{os.getpid()}.", suffix=".tmp")
 

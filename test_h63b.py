@@ -109,7 +109,8 @@ def test_an_unreachable_hub_reads_only_the_cache(tmp_path, monkeypatch):
 
 PAST_ONLY = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set c = m.content.split('</think>')[-1] %}"
              "{%- elif '<think>' in m.content %}{%- set c = m.content.split('<think>')[0] %}"
-             "{%- else %}{%- set c = m.content %}{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}"
+             "{%- else %}{%- set c = m.content %}{%- endif %}"
+             "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}"
              "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
@@ -260,3 +261,17 @@ def test_a_header_naming_unknown_tensors_in_place_of_missing_ones_is_corrupt(tmp
     save_file(sd, f)
     with pytest.raises(ModelError, match="variant is unsupported"):
         load_model(path)
+
+
+def test_the_readme_setup_block_is_what_ci_runs():
+    """Every command of the README's setup block (its lines before the first run, comments dropped) is a line of
+    .ci/run, in the same order, and so is its test command: the block a new user copies is the one CI checks."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = open(os.path.join(here, "README.md"), encoding="utf-8").read()
+    block = readme.split("## Setup, run, test", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    ci = [line.strip() for line in open(os.path.join(here, ".ci", "run")).read().splitlines()]
+    setup = [c for c in commands if not c.startswith("python generate.py")]
+    assert any(c.startswith("python -m venv") for c in setup)
+    assert any("download.pytorch.org/whl/cpu" in c for c in setup)
+    assert [c for c in ci if c in setup] == setup, (setup, ci)
