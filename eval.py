@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep every prompt token, for all policies (default: each policy's paper setting)")
     common.add_argument("--int-kernels", action="store_true", help="with --quant, torch's int kernels at every batch "
                         "size, never the bf16 copies of a CPU with bf16 units: the numbers (and row keys) of the sweeps "
-                        "made before them, for runs that must pair with those rows")
+                        "made before them, for runs that must pair with those rows (refused without --quant)")
     common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
     common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
                         "several sweeps on one machine may write one file at once")

@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
                     "chat template switch (Qwen3's enable_thinking; default: the template's own). --no-thinking is "
                     "refused where the template has no switch (R1 distills always think), either flag where it writes "
-                    "no <think>")
+                    "no <think> or one only into earlier turns (no thinking mode)")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="stop after this many new tokens (>= 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic); e.g. 0.6")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
