@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from model import ModelError, load_model
+from model import ModelError, load_model, side_file
 from policies import POLICIES
 from tokenizer import Tokenizer, chat_template, tokenizer_config
 
@@ -170,7 +170,8 @@ def cpu_threads(device, dtype: torch.dtype, quant: str | None):
 
 
 def peak_memory_mb(device) -> float:
-    """Peak memory so far: CUDA allocator peak, else the process's peak resident set."""
+    """Peak memory so far in MiB (2**20 bytes, as every memory figure of nanokv): CUDA allocator peak, else the
+    process's peak resident set."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
@@ -204,15 +205,15 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
     """Model and tokenizer from a directory, a Hub id, or a model weights.py fetches (the embedded default model when
     model_dir is None). thinking: the chat template's thinking switch (None: the template's default); rows: the most
     rows one of the run's steps multiplies (bf16_matmul)."""
-    from weights import DEFAULT_MODEL, MODELS, SIDE, SetupError, model_dir as named_model_dir
+    from weights import DEFAULT_MODEL, MODELS, SetupError, model_dir as named_model_dir
 
     device, dtype = resolve_device(device, dtype, quant)  # a bad --device fails before any download
     cpu_threads(device, dtype, quant)
-    model_dir = local_model(model_dir)
+    typed, model_dir = model_dir, local_model(model_dir)  # typed: what the user named, for our messages
     try:  # a name that weights.py knows (and no directory of that name) is its converted directory
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
             name, model_dir = model_dir or DEFAULT_MODEL, named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
-            if quant == "int4" and not (model_dir / SIDE).is_file():  # else its 4-bit numbers would be made anew
+            if quant == "int4" and not side_file(model_dir):  # else its 4-bit numbers would be made anew
                 raise ModelError(f"--quant int4 runs {name}'s own 4-bit blocks, which its conversion in {model_dir} "
                                  f"predates: run 'python weights.py --model {name} --force' (it downloads the model "
                                  "again)")
@@ -224,31 +225,30 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
         raise ModelError(str(e)) from None
     if quant == "int4" and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
-    tok = Tokenizer(model_dir, thinking)  # first: a --thinking the template cannot take stops before the weights load
+    # first: a --thinking the template cannot take stops before the weights load
+    tok = Tokenizer(model_dir, thinking, typed or model_dir)
     model = load_model(model_dir, device, dtype, quant)
     if bf16_matmul(device, dtype, quant, rows):
         from quant import bf16_copies
 
         note(f"[quant] steps of many rows run the same int4/int8 values through bf16 copies "
-             f"({bf16_copies(model) / 1e9:.1f} GB more memory)")
+             f"({bf16_copies(model) / 2**30:.1f} GiB more memory)")
     return model, tok
 
 
 def minmax_int4(model: str | None) -> bool:
     """Whether --quant int4 makes a directory's 4-bit numbers anew (min-max groups of its values) rather than running
     a GGUF's own blocks, which weights.py keeps beside a model it converted (a named model always has them)."""
-    from weights import SIDE
-
-    return bool(model) and os.path.isdir(model) and not (Path(model) / SIDE).is_file()
+    return bool(model) and os.path.isdir(model) and not side_file(model)
 
 
 def int4_source(model: str | None) -> str | None:
     """For a directory whose --quant int4 runs 4-bit blocks kept beside it: the fingerprint of the weights they belong
     to (weights.source_digest), which results.model_key's few kilobytes of each file do not see. A named model needs
     none: its manifest pins both files by sha256 on every load (weights.model_dir)."""
-    from weights import SIDE, source_digest
+    from weights import source_digest
 
-    if not model or not os.path.isdir(model) or not (Path(model) / SIDE).is_file():
+    if not model or not os.path.isdir(model) or not side_file(model):
         return None
     fp32 = Path(model) / "model.safetensors"
     return source_digest(fp32) if fp32.is_file() else None
@@ -267,25 +267,34 @@ def plain_text(model: str | None) -> bool:
 
 
 def check_output(flag: str, path: str | None):
-    """Refuse, before any work, an output file that cannot be written where it is named (None: no such output)."""
+    """Refuse, before any work, an output file that cannot be written where it is named (None: no such output): a
+    folder (one that exists, or a name ending in a separator, which open() would fail on only after the run), a
+    missing folder, a folder we may not write into."""
     if path is not None and not path.strip():  # '' would write nothing, silently
         raise UsageError(f"{flag} is empty: name the file to write, e.g. {flag} out.{flag.rsplit('-', 1)[-1]}")
-    if path and Path(path).is_dir():
-        raise UsageError(f"{flag} {path} is a folder: name a file in it")
-    if path and not Path(path).resolve().parent.is_dir():
+    if path and (Path(path).is_dir() or path.endswith(("/", os.sep))):
+        raise UsageError(f"{flag} {path} names a folder: name a file in it, e.g. "
+                         f"{Path(path) / ('out.' + flag.rsplit('-', 1)[-1])}")
+    folder = Path(path).resolve().parent if path else None
+    if path and not folder.is_dir():
         raise UsageError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
+    if path and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: its folder {folder} is not writable; write elsewhere")
 
 
 def distinct_outputs(**flags: str | None):
     """Refuse two output flags that name one file (e.g. --html F --kept-json F): the second would overwrite the
-    first. flags: flag name -> its path (None: not given)."""
-    seen = {}
-    for flag, path in flags.items():
-        if path:
-            other = seen.setdefault(Path(path).resolve(), flag)
-            if other != flag:
+    first. One file under two names counts too: a symbolic or a hard link (compared with os.path.samefile).
+    flags: flag name -> its path (None: not given)."""
+    given = [(flag, path) for flag, path in flags.items() if path]
+    for i, (flag, path) in enumerate(given):
+        for other, earlier in given[:i]:
+            if Path(path).resolve() == Path(earlier).resolve():
                 raise UsageError(f"{other} and {flag} both name {path}: the second would overwrite the first; give "
                                  "each its own file")
+            if os.path.exists(path) and os.path.exists(earlier) and os.path.samefile(path, earlier):
+                raise UsageError(f"{other} and {flag} both name one file ({path} is a hard link to {earlier}): the "
+                                 "second would overwrite the first; give each its own file")
 
 
 def write_output(flag: str, path: str, text: str) -> int:

@@ -35,7 +35,7 @@ from model import ModelError
 from policies import POLICIES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
 from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
-                     run_jobs, shard_arg, todo, write_json)
+                     run_jobs, shard_arg, temp_beside, todo, write_json)
 from stats import markdown, paired, paired_accuracy
 from tasks import DATA, extract_answer, file_hash, grading, is_correct, is_short_loop, load_data
 from traces import (check_first_turns, compare, conversation_plans, first_turn, first_turns, long_answers,
@@ -139,8 +139,13 @@ def reference(args, lab: dict, tr: dict, at: torch.Tensor) -> torch.Tensor:
             small = logits.to(model.model.norm.weight.dtype)
             exact = all(torch.equal(small[i : i + 256].float(), logits[i : i + 256])  # a piece at a time: no
                         for i in range(0, len(small), 256))  # second fp32 copy of a long trace's logits
-            torch.save(small if exact else logits.clone(), f"{path}.{os.getpid()}.tmp")
-            os.replace(f"{path}.{os.getpid()}.tmp", path)  # a reader never loads half a file
+            fd, tmp = temp_beside(path)  # a killed save's file is removed by the next one (results.clear_stale)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(small if exact else logits.clone(), f)
+                os.replace(tmp, path)  # a reader never loads half a file
+            finally:
+                Path(tmp).unlink(missing_ok=True)  # a failed save's; after the rename there is none
     return torch.load(path, mmap=True)
 
 
@@ -427,9 +432,16 @@ def check_jobs(args, jobs: list[dict], lab: dict):
         lens, longest = [p["prompt_len"] for p in pr], max(len(p["ids"]) for p in pr)
     elif not long:  # fidelity / perturbation: the traces' cache
         longest = trace_cap(args)
-    if longest > limit:
+    if longest > limit and args.cmd == "accuracy":  # the question is the data's, not a setting's
+        i = max(range(len(lens)), key=lens.__getitem__)
+        fix = f"lower --max-new-tokens to at most {limit - lens[i]}, or " if lens[i] < limit else ""
+        raise UsageError(f"problem {i + 1} of {args.data} is {lens[i]} tokens as a prompt, and with --max-new-tokens "
+                         f"{args.max_new_tokens} needs {longest} positions, past the model's {limit}: {fix}leave it "
+                         "out of the file" + (f" (or lower --n to {i})" if i else ""))
+    if longest > limit:  # each subcommand's own flags: what sizes a probe, what sizes the traces
+        flags = "--gap or --max-new-tokens" if args.cmd == "probe" else "--min-tokens or --max-new-tokens"
         raise UsageError(f"these settings need sequences of up to {longest} tokens, past the model's {limit} "
-                         "positions: lower --gap, --min-tokens or --max-new-tokens")
+                         f"positions: lower {flags}")
     for j in jobs:
         run_for(j, args, lens)  # one-line refusal of a prompt that does not fit K - r, or a bad --budget/--buffer
 
@@ -464,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep every prompt token, for all policies (default: each policy's paper setting)")
     common.add_argument("--int-kernels", action="store_true", help="with --quant, torch's int kernels at every batch "
                         "size, never the bf16 copies of a CPU with bf16 units: the numbers (and row keys) of the sweeps "
-                        "made before them, for runs that must pair with those rows")
+                        "made before them, for runs that must pair with those rows (refused without --quant)")
     common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
     common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
                         "several sweeps on one machine may write one file at once")
@@ -540,6 +552,15 @@ def main(argv=None):
     try:
         if args.out is not None and not args.out.strip():  # '' would save nothing, silently
             raise UsageError("--out is empty: name the file (plot: the folder) to write, e.g. --out results/rows.json")
+        if getattr(args, "int_kernels", False) and not args.quant:  # it picks among --quant's kernels
+            raise UsageError("--int-kernels picks the kernels of a --quant run and does nothing without one: add "
+                             "--quant int4 or int8, or drop it")
+        if getattr(args, "keep_refs", False) and not args.out:  # without --out they sit in a folder that goes
+            raise UsageError("--keep-refs keeps the references of a sweep that saves to --out (under "
+                             "$NANOKV_HOME/refs); without --out there is nothing to keep: add --out or drop it")
+        if args.cmd != "plot" and args.out and args.out.endswith(("/", os.sep)):  # Path() would drop the slash
+            raise UsageError(f"--out {args.out} names a folder: name the rows' file in it, e.g. "
+                             f"--out {Path(args.out) / 'rows.json'}")
         if args.cmd == "merge":
             return report(*merge(args.out), f"merged into {args.out}")
         if args.cmd == "plot":

@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
                     "chat template switch (Qwen3's enable_thinking; default: the template's own). --no-thinking is "
                     "refused where the template has no switch (R1 distills always think), either flag where it writes "
-                    "no <think>")
+                    "no <think> or one only into earlier turns (no thinking mode)")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="stop after this many new tokens (>= 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic); e.g. 0.6")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
@@ -575,7 +575,7 @@ def run_cli(args):
         print(viewer.show_kept(cache, layer, len(prompt), run.buffer))
     if args.kept_json:
         size = write_output("--kept-json", args.kept_json, json.dumps(viewer.kept_map(cache, layer, run, args.policy)))
-        note(f"[kept-json] wrote {args.kept_json} ({size / 1e3:.1f} kB): layer {layer}'s kept positions, for "
+        note(f"[kept-json] wrote {args.kept_json} ({size / 2**10:.1f} KiB): layer {layer}'s kept positions, for "
              f"`python eval.py plot {args.kept_json} --out DIR`")
     note(f"[{args.policy}] prefill {t['prefill_s']:.1f} s, decode {t['decode_s']:.1f} s")
     views = [(args.policy, run, rec, ids)]
@@ -583,7 +583,7 @@ def run_cli(args):
         other_rec = viewer.Recording(other) if args.html else None
         # the reference runs on the same weights, quantized or not: --compare asks what eviction changed, and only a
         # reference that differs in the cache alone answers that. An fp32 reference would mix quantization's change
-        # into it and load a second model (7.1 GB more for the 1.5B in int4); quantization's own change is measured
+        # into it and load a second model (6.6 GiB more for the 1.5B in int4); quantization's own change is measured
         # by tools/compare_modes.py
         what = "full-cache" if vs == "full" else vs
         with tqdm(total=args.max_new_tokens, desc=f"[compare] {what} answer", unit="tok", leave=False,
@@ -600,7 +600,7 @@ def run_cli(args):
         size = write_output("--html", args.html, viewer.page([viewer.view(
             name, r, rr, prompt, out, tok.token_bytes(prompt + out), closed_thinking(tok.thought(prompt, out)))
             for name, r, rr, out in views], cfg, len(prompt)))
-        note(f"[html] wrote {args.html} ({size / 1e6:.2f} MB): open it in a browser, no server needed")
+        note(f"[html] wrote {args.html} ({size / 2**20:.2f} MiB): open it in a browser, no server needed")
     n_ev, ms = run.evictions, run.evict_s * 1e3
     ev = f"{n_ev} eviction{'s' * (n_ev != 1)}" + (f", {ms:.1f} ms ({ms / n_ev:.2f} ms each)" if n_ev else "")
     K = "full cache" if run.budget is None else f"K={run.budget} r={run.buffer}"
@@ -612,7 +612,7 @@ def run_cli(args):
         held = (f"slots per head {per_head.min()}-{per_head.max()} held (mean {per_head.float().mean():.0f}), "
                 f"{cache.capacity} allocated")
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
-          f"{held} | {ev} | peak {peak:.0f} MB")
+          f"{held} | {ev} | peak {peak:.0f} MiB")
 
 
 if __name__ == "__main__":

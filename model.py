@@ -375,6 +375,10 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
                 where = f" where nanokv's {cfg.model_type} model expects {damaged!r}" if damaged else ""
                 raise ModelError(f"{path / file} is corrupt: its header names a tensor {name!r}{where}: re-download "
                                  "or re-convert it")
+            if missing:  # a variant adds tensors (a bias) to a complete set; a header that lacks one is damaged
+                raise ModelError(f"{path / file} is corrupt: its header names a tensor {name!r} that nanokv's "
+                                 f"{cfg.model_type} model has no place for, and lacks {missing[0]!r}: re-download or "
+                                 "re-convert it")
             raise ModelError(f"tensor {name} in {file} has no place in nanokv's {cfg.model_type} model: this "
                              "checkpoint variant is unsupported")
         if dtypes[name] not in FLOAT_DTYPES:  # nanokv's own int8/int4 are made on load, or kept apart (weights.SIDE)
@@ -416,6 +420,21 @@ def header(file: Path) -> tuple[dict, dict]:
 READ_BYTES = 2**24  # how much of a tensor is read at a time
 
 
+def side_file(path: str | Path) -> Path | None:
+    """The 4-bit blocks weights.py kept beside a model (weights.SIDE), or None where there are none. Something else of
+    that name (a folder, a dangling link, a device) is refused: taking it for "none" would make --quant int4 quantize
+    anew by min and max, another model's numbers, behind one note."""
+    side = Path(path) / SIDE
+    if side.is_file():
+        return side
+    if os.path.lexists(side):
+        what = "a folder" if side.is_dir() else "a link to nothing" if side.is_symlink() and not side.exists() else \
+            "not a regular file"
+        raise ModelError(f"{side} is {what}, not the 4-bit blocks weights.py writes: remove it (--quant int4 then "
+                         "quantizes by min and max) or convert the model again")
+    return None
+
+
 class Checkpoint:
     """A checkpoint's tensors by HF name, read a block of rows at a time, for loading and quant.py; and what weights.py
     kept beside a model it converted from a GGUF (quant.SIDE): the 4-bit matrices' codes, scales and offsets, and every
@@ -429,7 +448,7 @@ class Checkpoint:
         for file in sorted({f for f, _ in shapes.values()}):
             self.entries |= {name: e for name, e in header(path / file)[0].items() if name in shapes}
         self.source = None  # the fingerprint of the weights the side file was made beside (weights.source_digest)
-        if self.side.is_file():
+        if self.side.is_file():  # read for --quant int4 only, which refuses anything else of its name (side_file)
             with opened(self.side):  # a damaged side file is one line
                 pass
             parts, meta = header(self.side)
@@ -444,6 +463,7 @@ class Checkpoint:
         fingerprint; one made before that field is checked by its content instead: SAMPLED_ROWS rows of each kept matrix,
         q * scale + offset, must be the fp32 file's values (weights.convert writes them so, bit for bit)."""
         fp32 = self.path / "model.safetensors"
+        side_file(self.path)  # a folder or a dangling link of its name is refused, not taken for none
         if not self.kept:
             return
         if self.source is not None:

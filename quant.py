@@ -116,8 +116,8 @@ def quantize(model, quant: str, ckpt):
 def bf16_copies(model) -> int:
     """Give every quantized matrix a bf16 copy of its own values (kernels.dense: exactly what its kernel multiplies
     by, rounded once to bf16), which kernels.linear takes for steps of kernels.DENSE_ROWS rows or more. For batched
-    sweeps and replays, on a CPU with bf16 units (kernels.bf16_units): the 1.5B's copies take 3.1 GB beside its 1.3 GB
-    of int4 and int8. Returns their bytes."""
+    sweeps and replays, on a CPU with bf16 units (kernels.bf16_units): the 1.5B's copies take 2.9 GiB beside its int4
+    and int8 matrices. Returns their bytes."""
     made = 0
     for owner, attr, _ in model.matrices():
         w = getattr(owner, attr)

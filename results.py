@@ -288,13 +288,48 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
 # writes that survive anything
 
 
+HOST = os.uname().nodename  # temporary files name their writer by host and process id, so a stale one can be told
+STALE_S = 3600  # seconds after which a temporary file no live process of ours is seen writing is stale (a write
+# takes seconds)
+
+
+def temp_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file beside path for this process to write and rename over it, named after its writer:
+    rows.json.HOST.PID.XXXXXXXX.tmp (mkstemp's random part). Returns (fd, its name). Stale ones go first
+    (clear_stale)."""
+    clear_stale(path)
+    return tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{HOST}.{os.getpid()}.", suffix=".tmp")
+
+
+def clear_stale(path: Path):
+    """Remove the temporary files of path's writers that are gone: a write killed between making its file and renaming
+    it leaves one (a sweep's rows, a reference's logits of gigabytes) that nothing else would ever remove. Ours on this
+    host go as soon as their process is dead; others (another host's on a shared disk, older names) after STALE_S."""
+    for tmp in path.parent.glob(glob.escape(path.name) + ".*.tmp"):
+        writer = tmp.name[len(path.name) + 1: -len(".tmp")].rsplit(".", 2)  # [HOST, PID, random] when it is ours
+        mine = len(writer) == 3 and writer[0] == HOST and writer[1].isdigit()
+        with suppress(OSError):  # another process may be removing it too
+            if mine and not alive(int(writer[1])) or time.time() - tmp.stat().st_mtime > STALE_S:
+                tmp.unlink()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def write_json(path: Path, obj):
     """Write to a temporary file of this process's own, flush it to disk, then rename it over path: a reader never sees
     half a file, and a write that fails (read-only directory, full disk, file-size limit) leaves path as it was."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # e.g. results/ in a fresh checkout
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        fd, tmp = temp_beside(path)
         mask = os.umask(0o022)  # the umask is read by setting it,
         os.umask(mask)  # and put back
         os.fchmod(fd, 0o666 & ~mask)  # mkstemp's file is 0600: a result is as readable as any file open() makes
@@ -318,11 +353,7 @@ def check_writable(path: Path):
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory: pass a file path, e.g. {path / 'rows.json'}")
     probe = path.with_name(path.name + ".probe")
-    for stale in path.parent.glob(glob.escape(probe.name) + ".*.tmp"):  # a check killed mid-write left it (0 bytes)
-        with suppress(OSError):
-            if stale.stat().st_size == 0 and time.time() - stale.stat().st_mtime > 60:  # not one being written now
-                stale.unlink()
-    write_json(probe, [])
+    write_json(probe, [])  # its own stale temporary files go first (clear_stale)
     probe.unlink()
 
 

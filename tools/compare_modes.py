@@ -56,8 +56,8 @@ def load_modes(name: str, modes: list[str]) -> dict:
         dtype, quant = MODES[m]
         model, tok = load(name, "cpu", dtype, quant)
         out[m] = (model, tok, resolve_device("cpu", dtype, quant)[1], quant)
-        mb = sum(bench.matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices()) / 1e6
-        print(f"[load] {m}: {out[m][2]} activations, {mb:.0f} MB of matrices", file=sys.stderr)
+        mb = sum(bench.matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices()) / 2**20
+        print(f"[load] {m}: {out[m][2]} activations, {mb:.0f} MiB of matrices", file=sys.stderr)
     return out
 
 
