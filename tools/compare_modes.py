@@ -1,5 +1,6 @@
 """
-The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8 and --quant int4 against fp32.
+The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8, --quant int4 (int4-bf16: with
+its bf16 copies for steps of 16 rows or more, as eval.py's batched steps run it) and --quant int4x8 against fp32.
 
     python tools/compare_modes.py speed --model qwen2.5-coder-1.5b --batch-sizes 1,16,32
     python tools/compare_modes.py fidelity --model qwen2.5-coder-1.5b \
@@ -36,7 +37,7 @@ from cli import (Parser, UsageError, check_output, cpu_info, cpu_threads, int_li
                  resolve_device, write_output)
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
-from kernels import dense  # noqa: E402
+from kernels import DENSE_ROWS, dense  # noqa: E402
 from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weight_files  # noqa: E402
 from policies import POLICIES  # noqa: E402
 from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
@@ -46,15 +47,18 @@ from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
 from weights import DEFAULT_MODEL, INT4_TYPES, SetupError, model_dir  # noqa: E402
 
-MODES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
+# mode -> (--dtype, --quant, the most rows a step multiplies: from kernels.DENSE_ROWS, int4's steps of many rows run
+# through bf16 copies where the CPU has bf16 units, cli.bf16_matmul). int4x8: int4's numbers, int8 dot products
+MODES = {"fp32": ("float32", None, 1), "bf16": ("bfloat16", None, 1), "int8": (None, "int8", 1),
+         "int4": (None, "int4", 1), "int4-bf16": (None, "int4", DENSE_ROWS), "int4x8": (None, "int4x8", 1)}
 
 
 def load_modes(name: str, modes: list[str]) -> dict:
     """mode -> (model, tokenizer, its dtype, its quant), each loaded once."""
     out = {}
     for m in modes:
-        dtype, quant = MODES[m]
-        model, tok = load(name, "cpu", dtype, quant)
+        dtype, quant, rows = MODES[m]
+        model, tok = load(name, "cpu", dtype, quant, rows=rows)
         out[m] = (model, tok, resolve_device("cpu", dtype, quant)[1], quant)
         mb = sum(bench.matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices()) / 1e6
         print(f"[load] {m}: {out[m][2]} activations, {mb:.0f} MB of matrices", file=sys.stderr)
@@ -206,8 +210,8 @@ def main(argv=None):
     ap.add_argument("what", choices=["speed", "fidelity", "error", "accuracy"])
     ap.add_argument("--model", default=None, help="a name weights.py knows, or a model directory (default: the "
                     "default model)")
-    ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
-                    "the reference: always included)")
+    ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4, "
+                    "int4-bf16, int4x8 (fp32 is the reference: always included)")
     ap.add_argument("--batch-sizes", default="1,16,32", help="speed: rows decoded together")
     ap.add_argument("--policy", default="snapkv", choices=sorted(POLICIES), help="speed: the policy each decoder "
                     "evicts with")
