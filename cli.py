@@ -191,7 +191,8 @@ def bf16_matmul(device, dtype: torch.dtype, quant: str | None, rows: int) -> boo
     Nor does int4x8, whose int8 dot products are meant for the big steps too."""
     from kernels import DENSE_ROWS, bf16_units
 
-    return bool(quant) and quant != "int4x8" and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_units() and \
+    return bool(quant) and quant != "int4x8" and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and \
+        bf16_units() and \
         rows >= DENSE_ROWS
 
 

@@ -286,7 +286,8 @@ def model_settings(args) -> dict:
     device, dtype = resolve_device(args.device, args.dtype, args.quant)
     plain = {"template": "none"} if plain_text(args.model) else {}
     quant = {"quant": args.quant} if args.quant else {}
-    quant |= {"int4": "minmax"} if args.quant in INT4_MODES and minmax_int4(args.model) else {}  # not a GGUF's own blocks
+    # not a GGUF's own blocks
+    quant |= {"int4": "minmax"} if args.quant in INT4_MODES and minmax_int4(args.model) else {}
     thinking = {"thinking": args.thinking} if args.thinking is not None else {}  # only where given, as --quant
     # a directory's 4-bit blocks are checked against its weights on load (model.Checkpoint.check_side); the rows are
     # keyed by those weights' fingerprint too. A named model's rows keep their keys: its manifest pins both files

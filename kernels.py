@@ -86,7 +86,8 @@ class QuantWeight:
     block exactly, up to the rounding of scale and zero to the activations' dtype). Scales are in that dtype."""
 
     kind: str  # "int8" or "int4"; "dot8" or "dot4": the same numbers for int8_dots (--quant int4x8, below)
-    data: Tensor  # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8; dot: pack_dots
+    # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8; dot4, dot8: pack_dots
+    data: Tensor
     scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero); dot: pack_dots, bf16
     shape: tuple  # (out, in), as the HF weight
     dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, [out, in], made on first use
@@ -294,8 +295,8 @@ def _dots_module():
 
 def pack_dots(u: Tensor, scale: Tensor, zero: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """Codes u [N, K] (0..15 for bits 4, 0..255 for 8) with w = (u - DOT_CENTER) * scale + zero per group of 32
-    ([N, K / 32] each) -> int8_dots' (w, scales): uint8 [N / 16, K / 32, 8 * bits / 8, 16, 4] (a byte per code at 8
-    bits; at 4, the byte of inputs 4j + t holds input 16 + 4j + t in its high nibble) and bf16 [N / 16, K / 32, 2, 16]."""
+    ([N, K / 32] each) -> int8_dots' (w, scales): uint8 [N / 16, K / 32, bits, 16, 4] (a byte per code at 8 bits; at
+    4, the byte of inputs 4j + t holds input 16 + 4j + t in its high nibble) and bf16 [N / 16, K / 32, 2, 16]."""
     N, K = u.shape
     G, nb = N // 16, K // GROUP
     if bits == 4:
