@@ -2,6 +2,8 @@
 reference."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +133,15 @@ def test_int4x8_rows_are_keyed_apart_and_take_no_bf16_copies(monkeypatch):
     assert key["quant"] == "int4x8" and "bf16_rows" not in key
     assert not cli.bf16_matmul("cpu", torch.bfloat16, "int4x8", 32) and cli.bf16_matmul("cpu", torch.bfloat16,
                                                                                          "int4", 32)
+
+
+def test_compare_modes_lists_int4x8_and_refuses_a_bad_reference(capsys):
+    """tools/compare_modes.py knows int4x8 and int4-bf16 (int4 with bf16 copies for steps of DENSE_ROWS rows), and a
+    --reference that is no mode is one line naming the choices."""
+    sys.path.insert(0, str(Path(__file__).parent / "tools"))
+    import compare_modes
+
+    assert compare_modes.MODES["int4x8"] == (None, "int4x8", 1)
+    assert compare_modes.MODES["int4-bf16"] == (None, "int4", kernels.DENSE_ROWS)
+    msg = one_line_exit(compare_modes.main, ["fidelity", "--reference", "int5"], capsys)
+    assert "--reference int5: choose from" in msg and "int4x8" in msg

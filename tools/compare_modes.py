@@ -242,6 +242,8 @@ def main(argv=None):
         check_output("--out", args.out)  # before the work, not after it
         ref = args.reference
         modes = [ref] + [m for m in args.modes.split(",") if m != ref]
+        if ref not in MODES:
+            raise UsageError(f"--reference {ref}: choose from {', '.join(MODES)}")
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
