@@ -21,6 +21,7 @@ import torch
 
 from model import ModelError, load_model, side_file
 from policies import POLICIES
+from quant import INT4_MODES
 from tokenizer import Tokenizer, chat_template, tokenizer_config
 
 
@@ -49,9 +50,11 @@ def add_device_args(ap: argparse.ArgumentParser):
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="weights and cache dtype; with --quant, the activations' and the cache's (default: bfloat16 "
                     "on CUDA, and with --quant on a CPU with bf16 units; float32 elsewhere)")
-    ap.add_argument("--quant", default=None, choices=["int8", "int4"], help="weight-only quantized matrices, CPU "
-                    "only: int8 per output row; int4 in groups of 32, a GGUF's own 4-bit blocks where weights.py kept "
-                    "them, its wider blocks as int8 (default: none, the exact fp32 path; quant.py)")
+    ap.add_argument("--quant", default=None, choices=["int8", "int4", "int4x8"], help="weight-only quantized "
+                    "matrices, CPU only: int8 per output row; int4 in groups of 32, a GGUF's own 4-bit blocks where "
+                    "weights.py kept them, its wider blocks as int8; int4x8: int4's numbers times int8 activations "
+                    "(per block of 32), VNNI dot products, a C++ kernel built once (default: none, the exact fp32 "
+                    "path; quant.py)")
 
 
 def policy_names(arg: str, full: bool = True) -> list[str]:
@@ -111,6 +114,13 @@ def resolve_device(device: str | None, dtype: str | None, quant: str | None = No
                          f"nanokv has not tested): drop --quant on {d.type}, where bf16 is fast, or use --device cpu")
     if quant and dtype == "float16":
         raise UsageError("--quant takes --dtype bfloat16 or float32 (the activations' dtype), not float16")
+    if quant == "int4x8" and dtype == "float32":  # its scales are bf16, as the int4 kernel's
+        raise UsageError("--quant int4x8 takes bf16 activations: drop --dtype float32, or use --quant int4")
+    if quant == "int4x8":
+        from kernels import dots_missing
+
+        if why := dots_missing():  # before any weights load; the kernel is built here, once
+            raise UsageError(f"--quant int4x8 cannot run here: {why}; use --quant int4 (torch's int4 kernel)")
     if dtype:
         return device, getattr(torch, dtype)
     return device, torch.bfloat16 if d.type == "cuda" or quant else torch.float32
@@ -194,10 +204,12 @@ def local_model(model: str | None) -> str | None:
 def bf16_matmul(device, dtype: torch.dtype, quant: str | None, rows: int) -> bool:
     """Whether a run whose steps multiply up to `rows` rows (its batch, a replay's chunk) keeps bf16 copies of its
     quantized matrices for its big steps (quant.bf16_copies): with --quant and bf16 activations, on a CPU with bf16
-    units, when a step reaches kernels.DENSE_ROWS. A batch-1 decode never does: it keeps the int kernels' memory."""
+    units, when a step reaches kernels.DENSE_ROWS. A batch-1 decode never does: it keeps the int kernels' memory.
+    Nor does int4x8, whose int8 dot products are meant for the big steps too."""
     from kernels import DENSE_ROWS, bf16_units
 
-    return bool(quant) and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_units() and \
+    return bool(quant) and quant != "int4x8" and torch.device(device).type == "cpu" and dtype == torch.bfloat16 and \
+        bf16_units() and \
         rows >= DENSE_ROWS
 
 
@@ -213,8 +225,8 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
     try:  # a name that weights.py knows (and no directory of that name) is its converted directory
         if not model_dir or model_dir in MODELS and not os.path.isdir(model_dir):
             name, model_dir = model_dir or DEFAULT_MODEL, named_model_dir(model_dir or DEFAULT_MODEL, fetch=True)
-            if quant == "int4" and not side_file(model_dir):  # else its 4-bit numbers would be made anew
-                raise ModelError(f"--quant int4 runs {name}'s own 4-bit blocks, which its conversion in {model_dir} "
+            if quant in INT4_MODES and not side_file(model_dir):  # else its 4-bit numbers would be made anew
+                raise ModelError(f"--quant {quant} runs {name}'s own 4-bit blocks, which its conversion in {model_dir} "
                                  f"predates: run 'python weights.py --model {name} --force' (it downloads the model "
                                  "again)")
         elif not os.path.isdir(model_dir):
@@ -223,7 +235,7 @@ def load(model_dir, device, dtype, quant: str | None = None, thinking: bool | No
                              f"{', '.join(MODELS)}")
     except SetupError as e:
         raise ModelError(str(e)) from None
-    if quant == "int4" and minmax_int4(str(model_dir)):
+    if quant in INT4_MODES and minmax_int4(str(model_dir)):
         note("[quant] no GGUF 4-bit blocks beside the model: its int4 groups are made from its values, by min and max")
     # first: a --thinking the template cannot take stops before the weights load
     tok = Tokenizer(model_dir, thinking, typed or model_dir)

@@ -33,6 +33,7 @@ from generate import generate, generate_refill, make_run
 from kernels import DENSE_ROWS
 from model import ModelError
 from policies import POLICIES
+from quant import INT4_MODES
 from probes import FACT_NAME, build_probe, head_perturbation, head_probe, perturbation_row, plant_fact
 from results import (Progress, check_writable, digest, merge, model_key, pack_text, read_json, read_rows, result_file,
                      run_jobs, shard_arg, temp_beside, todo, write_json)
@@ -321,11 +322,12 @@ def model_settings(args) -> dict:
     device, dtype = resolve_device(args.device, args.dtype, args.quant)
     plain = {"template": "none"} if plain_text(args.model) else {}
     quant = {"quant": args.quant} if args.quant else {}
-    quant |= {"int4": "minmax"} if args.quant == "int4" and minmax_int4(args.model) else {}  # not a GGUF's own blocks
+    # not a GGUF's own blocks
+    quant |= {"int4": "minmax"} if args.quant in INT4_MODES and minmax_int4(args.model) else {}
     thinking = {"thinking": args.thinking} if args.thinking is not None else {}  # only where given, as --quant
     # a directory's 4-bit blocks are checked against its weights on load (model.Checkpoint.check_side); the rows are
     # keyed by those weights' fingerprint too. A named model's rows keep their keys: its manifest pins both files
-    source = int4_source(args.model) if args.quant == "int4" else None
+    source = int4_source(args.model) if args.quant in INT4_MODES else None
     quant |= {"int4_source": source} if source else {}
     # steps of many rows through bf16 copies of the int values: other numbers than the int kernels' (RESULTS.md)
     quant |= {"bf16_rows": DENSE_ROWS} if bf16_matmul(device, dtype, args.quant, step_rows(args)) else {}

@@ -12,8 +12,12 @@ SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
 from __future__ import annotations  # lets the kernels' tl.constexpr annotations parse without triton
 
 import functools
+import os
+import shutil
+import sys
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +64,19 @@ DENSE_ROWS = 16
 
 
 @functools.cache
-def bf16_units() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16, from /proc/cpuinfo; elsewhere no): without
-    them torch emulates bf16 and a dense copy is never faster."""
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags, from /proc/cpuinfo (elsewhere none)."""
     with suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("flags"):
-                return bool({"amx_bf16", "avx512_bf16"} & set(line.split()))
-    return False
+                return frozenset(line.split())
+    return frozenset()
+
+
+def bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16): without them torch emulates bf16 and a dense
+    copy is never faster."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 @dataclass
@@ -76,9 +85,10 @@ class QuantWeight:
     row, w = q * scale. int4: groups of GROUP inputs, w = (q - 8) * scale + zero with q in 0..15 (a GGUF Q4_K or Q4_1
     block exactly, up to the rounding of scale and zero to the activations' dtype). Scales are in that dtype."""
 
-    kind: str  # "int8" or "int4"
-    data: Tensor  # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8
-    scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero)
+    kind: str  # "int8" or "int4"; "dot8" or "dot4": the same numbers for int8_dots (--quant int4x8, below)
+    # int8 [out, in]; int4: torch's packed layout (_convert_weight_to_int4pack_for_cpu), uint8; dot4, dot8: pack_dots
+    data: Tensor
+    scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero); dot: pack_dots, bf16
     shape: tuple  # (out, in), as the HF weight
     dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, [out, in], made on first use
     dense_rows: int = 0  # > 0: a step of this many rows or more multiplies by dense_cache (quant.bf16_copies)
@@ -89,6 +99,8 @@ class QuantWeight:
 
     def matmul(self, x: Tensor) -> Tensor:
         """x [M, in], contiguous, in the scales' dtype -> [M, out]."""
+        if self.kind in ("dot4", "dot8"):
+            return int8_dots(x, self.data, self.scales, self.shape[0], int(self.kind[3]))
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
@@ -126,11 +138,207 @@ def dense(w) -> Tensor:
         return w
     if w.dense_cache is not None:
         return w.dense_cache
+    if w.kind in ("dot4", "dot8"):  # unpacked exactly: cheap, not kept
+        bits, (n, k) = int(w.kind[3]), w.shape
+        u, scale, zero = unpack_dots(w.data, w.scales, n, k, bits)
+        return ((u.float().view(n, -1, GROUP) - DOT_CENTER[bits]) * scale[..., None] + zero[..., None]).flatten(1) \
+            .to(w.scales.dtype)
     if w.kind == "int8":  # cheap to redo: not kept (but by quant.bf16_copies)
         return (w.data.float() * w.scales.float()[:, None]).to(w.scales.dtype)
     eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
     w.dense_cache = w.matmul(eye).T.contiguous()  # [out, in], the layout F.linear reads fastest
     return w.dense_cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 dot products (--quant int4x8), as llama.cpp computes a Q4 matrix times a Q8 row: torch's int4 kernel above
+# expands every 4-bit weight to floating point and multiplies in fp32; here the activations are quantized too, to
+# int8 per block of 32 inputs (x ~ a * d, a in -127..127, as a Q8_0 block), and VNNI's vpdpbusd multiplies 64 pairs
+# of (unsigned 8-bit weight code, signed 8-bit activation) per instruction. A block of a row of w is u * s + o, so
+#   sum_k w[n, k] x[k] = sum_blocks  s * d * (u . a)  +  o * d * sum(a)
+# the integer dot product scaled once per block, the offset term through the block's activation sum.
+# A weight w = (u - C) * scale + zero keeps the numbers of the int4 and int8 kernels exactly (C = 8 for 4-bit codes,
+# 128 for int8 shifted to 0..255), so o = zero - C * scale, and only the activations' rounding is new.
+# Layout, made once at load (pack_dots): output rows in groups of 16 (one zmm of int32 sums, one lane per row), each
+# lane's 4 bytes the 4 consecutive inputs that vpdpbusd sums; 4-bit codes two a byte, inputs j and j + 16 of a block.
+# Scales (scale, zero) in bf16, as the int4 kernel's: [N / 16, K / 32, 2, 16].
+# References: llama.cpp's ggml_vec_dot_q4_K_q8_K (ggml-cpu/arch/x86/quants.c); Intel's VNNI (vpdpbusd) guide.
+
+DOT_CENTER = {4: 8, 8: 128}  # C above: the code of a weight equal to `zero`
+
+_DOTS_CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cfloat>
+#include <cmath>
+
+// x [M, K] -> a [M, K] int8 and, per block of 32, d [M, K/32] and d * sum(a) (the offset term's factor)
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, float* d, float* dsum) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; i++) {
+    const float* xb = x + i * 32;  // blocks run along each row: block i of the [M * nb] blocks
+    float amax = 0.f;
+    for (int t = 0; t < 32; t++) amax = std::max(amax, std::fabs(xb[t]));
+    const float s = amax / 127.f, den = std::max(s, FLT_MIN);  // an all-zero block: a = 0
+    int sum = 0;
+    for (int t = 0; t < 32; t++) {
+      const int v = (int)std::nearbyint(std::min(127.f, std::max(-127.f, xb[t] / den)));  // round half to even
+      a[i * 32 + t] = (int8_t)v;
+      sum += v;
+    }
+    d[i] = s;
+    dsum[i] = s * (float)sum;
+  }
+}
+
+static inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32: a bf16 is an fp32's upper half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// y [M, N] = x [M, K] @ w.T for w packed by kernels.pack_dots: BITS 4 or 8, C the code of a weight equal to `zero`
+template <int BITS>
+torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && N % 16 == 0, "int8_dots: x [M, K] with K % 32 == 0, N % 16");
+  TORCH_CHECK(w.is_contiguous() && sz.is_contiguous() && sz.scalar_type() == at::kBFloat16, "int8_dots: layout");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32, G = N / 16;
+  constexpr float C = BITS == 4 ? 8.f : 128.f;
+  constexpr int64_t WB = 16 * 32 * BITS / 8;  // bytes of one (16 rows, 32 inputs) tile: 256 or 512
+  TORCH_CHECK(w.numel() == G * nb * WB && sz.numel() == G * nb * 32, "int8_dots: w and scales do not match N, K");
+  auto xf = x.to(at::kFloat).contiguous();
+  auto a = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = torch::empty({M, nb}, x.options().dtype(at::kFloat)), ds = torch::empty_like(d);
+  quantize_rows(xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>());
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  const int8_t* A = a.data_ptr<int8_t>();
+  const float *D = d.data_ptr<float>(), *DS = ds.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  // threads split the groups of 16 output rows: each reads its own weights once, for all M rows of x
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> acc(M * 16);  // [M, 16] fp32 sums of one group
+    for (int64_t g = g0; g < g1; g++) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* wb = W + (g * nb + b) * WB;
+        __m512i u[8];  // u[j]: 16 rows x inputs 4j .. 4j + 3 of the block, one code a byte
+        if constexpr (BITS == 4) {
+          const __m512i low = _mm512_set1_epi8(0x0F);
+          for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+            u[j] = _mm512_and_si512(v, low);  // inputs 4j ..
+            u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // inputs 16 + 4j ..
+          }
+        } else {
+          for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512(wb + 64 * j);
+        }
+        const __m512 scale = bf16x16(S + (g * nb + b) * 32), zero = bf16x16(S + (g * nb + b) * 32 + 16);
+        const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(C), scale, zero);  // o = zero - C * scale
+        for (int64_t m = 0; m < M; m++) {
+          const int32_t* ab = reinterpret_cast<const int32_t*>(A + m * K + b * 32);  // 4 activations a word
+          // two chains of 4 dependent vpdpbusd rather than one of 8: half the latency to wait out
+          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+          for (int j = 0; j < 4; j++) {
+            s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(ab[j]));
+            s1 = _mm512_dpbusd_epi32(s1, u[j + 4], _mm512_set1_epi32(ab[j + 4]));
+          }
+          const __m512i s = _mm512_add_epi32(s0, s1);
+          __m512 r = _mm512_loadu_ps(&acc[m * 16]);
+          r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(D[m * nb + b])), r);
+          _mm512_storeu_ps(&acc[m * 16], _mm512_fmadd_ps(off, _mm512_set1_ps(DS[m * nb + b]), r));
+        }
+      }
+      for (int64_t m = 0; m < M; m++) std::copy(&acc[m * 16], &acc[m * 16] + 16, Y + m * N + g * 16);
+    }
+  });
+  return y.to(x.scalar_type());
+}
+
+torch::Tensor int8_dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t n, int64_t bits) {
+  return bits == 4 ? dots<4>(x, w, sz, n) : dots<8>(x, w, sz, n);
+}
+"""
+
+
+@functools.cache
+def dots_missing() -> str | None:
+    """Why int8_dots cannot run its C++ kernel here, or None where it can: the CPU needs AVX-512 VNNI, and the kernel
+    is compiled once, at first use, with torch's cpp_extension (a C++ compiler and ninja; cached in torch's extension
+    folder, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)."""
+    if not {"avx512bw", "avx512_vnni"} <= cpu_flags():
+        return "this CPU has no AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)"
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        return "no C++ compiler (c++) on PATH to build the kernel: install one (Debian: apt-get install g++)"
+    if not shutil.which("ninja"):  # torch's cpp_extension builds with it
+        return "no ninja on PATH to build the kernel: pip install ninja"
+    try:
+        _dots_module()
+    except Exception as e:  # noqa: BLE001 -- a compiler's failure in any form is one line
+        last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        return f"its C++ kernel did not build ({last[:200]})"
+    return None
+
+
+@functools.cache
+def _dots_module():
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+    name = "nanokv_int8_dots"
+    if not any(Path(_get_build_directory(name, False)).glob("*.so")):
+        print("[kernels] compiling the int8-dot kernel, once (about a minute)", file=sys.stderr)
+    # -fopenmp: at::parallel_for splits the rows over torch's own OpenMP threads (the libgomp torch has loaded)
+    return load_inline(name, cpp_sources=_DOTS_CPP, functions=["int8_dots"],
+                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"])
+
+
+def pack_dots(u: Tensor, scale: Tensor, zero: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Codes u [N, K] (0..15 for bits 4, 0..255 for 8) with w = (u - DOT_CENTER) * scale + zero per group of 32
+    ([N, K / 32] each) -> int8_dots' (w, scales): uint8 [N / 16, K / 32, bits, 16, 4] (a byte per code at 8 bits; at
+    4, the byte of inputs 4j + t holds input 16 + 4j + t in its high nibble) and bf16 [N / 16, K / 32, 2, 16]."""
+    N, K = u.shape
+    G, nb = N // 16, K // GROUP
+    if bits == 4:
+        t = u.view(G, 16, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [G, nb, j, n, t, half]: half 1 is inputs 16 ..
+        w = t[..., 0] | t[..., 1] << 4
+    else:
+        w = u.view(G, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, j, n, t]
+    sz = torch.stack([scale, zero], -1).view(G, 16, nb, 2).permute(0, 2, 3, 1)  # [G, nb, 2, 16]
+    return w.to(torch.uint8).contiguous().flatten(), sz.to(torch.bfloat16).contiguous()
+
+
+def unpack_dots(w: Tensor, sz: Tensor, n: int, k: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """pack_dots undone: codes u [n, k] uint8, and scale, zero [n, k / 32] fp32."""
+    G, nb = n // 16, k // GROUP
+    if bits == 4:
+        t = w.view(G, nb, 4, 16, 4)
+        u = torch.stack([t & 15, t >> 4], -1).permute(0, 3, 1, 5, 2, 4)  # [G, n, nb, half, j, t]
+    else:
+        u = w.view(G, nb, 8, 16, 4).permute(0, 3, 1, 2, 4)  # [G, n, nb, j, t]
+    s = sz.view(G, nb, 2, 16).permute(0, 3, 1, 2).reshape(n, nb, 2).float()
+    return u.reshape(n, k), s[..., 0], s[..., 1]
+
+
+def int8_dots_ref(x: Tensor, w: Tensor, sz: Tensor, n: int, bits: int) -> Tensor:
+    """x [M, K] @ w.T -> [M, n] for w packed by pack_dots, the kernel's arithmetic in torch: x quantized per block
+    of 32 to int8 (d = max |x| / 127, a = round(x / d)), integer dot products per block, scaled after."""
+    M, K = x.shape
+    u, scale, zero = unpack_dots(w, sz, n, K, bits)
+    xb = x.float().view(M, -1, GROUP)  # [M, K / 32, 32]
+    d = xb.abs().amax(-1) / 127  # [M, K / 32]
+    a = (xb / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127).round()
+    # exact in fp32: |a| <= 127 and u <= 255, so every partial sum of 32 products is an integer below 2^24
+    dots = torch.einsum("mbk,nbk->mnb", a, u.float().view(n, -1, GROUP))  # [M, n, K / 32]
+    off = zero - DOT_CENTER[bits] * scale  # [n, K / 32]
+    return ((dots * scale * d[:, None]).sum(-1) + (d * a.sum(-1)) @ off.T).to(x.dtype)
+
+
+def int8_dots(x: Tensor, w: Tensor, sz: Tensor, n: int, bits: int) -> Tensor:
+    """The C++ kernel where it builds (dots_missing), else the reference: the same numbers up to fp32 rounding."""
+    if dots_missing() is None:
+        return _dots_module().int8_dots(x, w, sz, n, bits)
+    return int8_dots_ref(x, w, sz, n, bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------

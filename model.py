@@ -27,7 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from config import ACTIVATIONS, ModelConfig, ModelError, check_weights, read_json
 from kernels import linear, rms_norm, rope
-from quant import quantize, unpack_nibbles
+from quant import INT4_MODES, quantize, unpack_nibbles
 from weights import SAMPLED_ROWS, SIDE, source_digest
 
 # -----------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def garbled(name: str, missing: list[str]) -> str | None:
 def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str | None = None) -> Transformer:
     """Build the model for path's config.json and copy in its safetensors (single file or sharded). Every check
     reads only the safetensors headers and a model on the meta device, so a mismatch stops before any allocation.
-    quant ("int8" or "int4"): the matrices are made weight-only quantized, one at a time (quant.py)."""
+    quant ("int8", "int4" or "int4x8"): the matrices are made weight-only quantized, one at a time (quant.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"model directory {path} does not exist: pass --model a Hugging Face model directory")
@@ -391,7 +391,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, quant: str |
         raise ModelError(f"tensor {missing[0]} missing from the checkpoint in {path} ({len(missing)} missing in all): "
                          "the weights do not match config.json")
     ckpt = Checkpoint(path, shapes)
-    if quant == "int4":
+    if quant in INT4_MODES:
         ckpt.check_side()  # before the model takes memory
     model = Transformer(cfg, device, dtype, quant)
     for name, p in model.named_parameters():

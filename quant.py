@@ -12,6 +12,8 @@ weight is what makes it faster (RESULTS.md, "Decode the weights as they ship"). 
   int8, one scale per output row, half the bytes of bf16 (the measured error of each choice is in RESULTS.md).
 - Any other checkpoint is quantized on load, as gpt-fast does: int8 per output row, int4 per group of 32 by the
   group's min and max.
+--quant int4x8 runs the same numbers as int4 (4-bit blocks, int8 rows) through int8 dot products: each matmul input is
+quantized to int8 per block of 32, as llama.cpp does, and multiplied by the codes with VNNI (kernels.int8_dots).
 --quant int8 makes every matrix int8 from its values. The embedding table stays a dense lookup (one row a token), and
 norms and biases stay dense too, all in the activations' dtype.
 Left out: int4 on CUDA (torch's CUDA kernel takes another packing: refused), activation quantization, a quantized
@@ -21,9 +23,10 @@ KV cache.
 import torch
 from torch import Tensor
 
-from kernels import DENSE_ROWS, GROUP, QuantWeight, dense
+from kernels import DENSE_ROWS, GROUP, QuantWeight, dense, pack_dots
 from weights import INT4_TYPES  # the format weights.py writes (numpy only: no cycle)
 
+INT4_MODES = ("int4", "int4x8")  # --quant's modes that run the 4-bit blocks
 DENSE_TYPES = ("F32", "F16", "BF16")  # unquantized in the GGUF: quantized on load, as a Hugging Face checkpoint
 
 
@@ -33,7 +36,7 @@ def plan(quant: str, gguf_type: str | None, shape: tuple) -> str:
     torch's int4 packing needs out % 16 == 0 and whole groups: other shapes take int8."""
     out, inp = shape
     fits = out % 16 == 0 and inp % GROUP == 0
-    if quant == "int4" and fits and (gguf_type is None or gguf_type in INT4_TYPES + DENSE_TYPES):
+    if quant in INT4_MODES and fits and (gguf_type is None or gguf_type in INT4_TYPES + DENSE_TYPES):
         return "int4"
     return "int8"
 
@@ -65,6 +68,23 @@ def int4_groups(q: Tensor, scale: Tensor, offset: Tensor, dtype: torch.dtype) ->
     return QuantWeight("int4", data, scales, tuple(q.shape))
 
 
+def int4_dots(q: Tensor, scale: Tensor, offset: Tensor) -> QuantWeight:
+    """int4_groups' numbers (bf16 scale and zero = offset + 8 * scale) in int8_dots' form, for --quant int4x8."""
+    w, sz = pack_dots(q, scale, offset + 8 * scale, 4)
+    return QuantWeight("dot4", w, sz, tuple(q.shape))
+
+
+def int8_dots_of(m: QuantWeight) -> QuantWeight:
+    """An int8 QuantWeight's numbers in int8_dots' form: codes q + 128 in 0..255 (VNNI multiplies unsigned by signed
+    bytes), its row's scale for every group; a shape the kernel's tiles do not fit keeps torch's int8 kernel."""
+    out, inp = m.shape
+    if out % 16 or inp % GROUP:
+        return m
+    scale = m.scales.float()[:, None].expand(out, inp // GROUP)  # bf16 already: exact
+    w, sz = pack_dots((m.data.to(torch.int16) + 128).to(torch.uint8), scale, torch.zeros_like(scale), 8)
+    return QuantWeight("dot8", w, sz, m.shape)
+
+
 def unpack_nibbles(packed: Tensor) -> Tensor:
     """[out, in / 2] uint8, two codes a byte, the even column in the low nibble (weights.pack_nibbles) -> [out, in]
     in 0..15."""
@@ -91,6 +111,14 @@ def int8_values(ckpt, name: str, dtype: torch.dtype) -> QuantWeight:
     return QuantWeight("int8", q, s, (out, inp))
 
 
+def fused_int8(items: list[QuantWeight]) -> QuantWeight:
+    """Row blocks of int8 (each row its own scale) as one matrix."""
+    if len(items) == 1:
+        return items[0]
+    return QuantWeight("int8", torch.cat([m.data for m in items]), torch.cat([m.scales for m in items]),
+                       (sum(m.shape[0] for m in items), items[0].shape[1]))
+
+
 def quantize(model, quant: str, ckpt):
     """Fill in every matrix of the model (placeholders until now, model.Transformer) in its quantized form, one at a
     time, from ckpt (model.Checkpoint: dense values, and the GGUF's 4-bit blocks and types where weights.py kept
@@ -106,9 +134,11 @@ def quantize(model, quant: str, ckpt):
                 runs[-1][1].append(item)
             else:
                 runs.append([kind, [item]])
-        made = [int4_groups(*map(torch.cat, zip(*items)), dtype) if kind == "int4" else items[0] if len(items) == 1
-                else QuantWeight("int8", torch.cat([m.data for m in items]), torch.cat([m.scales for m in items]),
-                                 (sum(m.shape[0] for m in items), items[0].shape[1])) for kind, items in runs]
+        # int4x8: the same numbers in int8_dots' form
+        four = int4_dots if quant == "int4x8" else lambda *codes: int4_groups(*codes, dtype)
+        eight = int8_dots_of if quant == "int4x8" else lambda m: m
+        made = [four(*map(torch.cat, zip(*items))) if kind == "int4" else eight(fused_int8(items))
+                for kind, items in runs]
         owner._parameters.pop(attr, None)  # a Linear's weight was a Parameter: a plain attribute from now on
         setattr(owner, attr, made[0] if len(made) == 1 else tuple(made))
 

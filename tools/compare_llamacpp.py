@@ -4,6 +4,7 @@ Batch-1 decode speed of nanokv beside llama.cpp on the same weights (RESULTS.md'
     pip install llama-cpp-python    # compiles llama.cpp, several minutes; not a nanokv requirement, not in CI
     python tools/compare_llamacpp.py                                           # exact: fp32 both
     python tools/compare_llamacpp.py --model qwen2.5-coder-1.5b --quant int4   # the file as it ships
+    python tools/compare_llamacpp.py --model qwen2.5-coder-1.5b --quant int4x8   # int8 dot products, as llama.cpp
 
 Exact (no --quant): llama.cpp reads the model's own GGUF with every tensor dequantised to F32 (the numbers weights.py
 converts to safetensors, in llama.cpp's layout), nanokv its fp32 path. With --quant: llama.cpp decodes the GGUF as it
@@ -130,8 +131,8 @@ def main():
     ap = argparse.ArgumentParser(description="nanokv vs llama.cpp batch-1 decode, same weights, side by side.",
                                  allow_abbrev=False)  # no prefixes of flags, as cli.Parser
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS), help="a model weights.py fetches")
-    ap.add_argument("--quant", default=None, choices=["int8", "int4"], help="nanokv's --quant; llama.cpp then decodes "
-                    "the GGUF as it ships (default: both exact, fp32)")
+    ap.add_argument("--quant", default=None, choices=["int8", "int4", "int4x8"], help="nanokv's --quant; llama.cpp then "
+                    "decodes the GGUF as it ships (default: both exact, fp32)")
     ap.add_argument("--runs", type=int, default=3, help="alternating pairs of runs")
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp keeps the weights as stored (no AMX or CPU "
                     "repacking: where its AMX backend crashes)")

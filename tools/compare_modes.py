@@ -1,5 +1,6 @@
 """
-The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8 and --quant int4 against fp32.
+The fast modes beside the exact one, in one process: --dtype bfloat16, --quant int8, --quant int4 (int4-bf16: with
+its bf16 copies for steps of 16 rows or more, as eval.py's batched steps run it) and --quant int4x8 against fp32.
 
     python tools/compare_modes.py speed --model qwen2.5-coder-1.5b --batch-sizes 1,16,32
     python tools/compare_modes.py fidelity --model qwen2.5-coder-1.5b \
@@ -11,8 +12,9 @@ matrix products, attention, eviction and the rest (as `eval.py bench`), for each
 the output: speeds on another CPU differ, and a mode's rank may too.
 fidelity: the cost of a mode in what it computes: the model's own full-cache conversations (eval.py fidelity's
 traces, or --n new ones) teacher-forced through the full cache in each mode, KL(fp32 || mode) and top-1 agreement
-with fp32 per generated position; and --problems greedy answers decoded in each mode against fp32's (the first token
-where they part, and whether the graded answer is the same). One mode is in memory at a time.
+with fp32 (or --reference) per generated position; and --problems greedy answers decoded in each mode against the
+reference's (the first token where they part, and whether the graded answer is the same). One mode is in memory at a
+time.
 error: what each format (int8 per row, bf16, int4 from the kept blocks) does to a GGUF's own numbers, per block type:
 the measured ground for quant.plan's choice.
 accuracy: a fast mode's full-cache accuracy against fp32's, paired on the same problems (two eval.py accuracy files,
@@ -36,7 +38,7 @@ from cli import (Parser, UsageError, check_output, cpu_info, cpu_threads, int_li
                  resolve_device, write_output)
 from eval import answer_of, ask  # noqa: E402
 from generate import generate, make_run  # noqa: E402
-from kernels import dense  # noqa: E402
+from kernels import DENSE_ROWS, dense  # noqa: E402
 from model import Checkpoint, ModelConfig, ModelError, Transformer, opened, weight_files  # noqa: E402
 from policies import POLICIES  # noqa: E402
 from quant import int4_codes, int4_groups, int8_rows  # noqa: E402
@@ -46,15 +48,18 @@ from tasks import DATA, load_data  # noqa: E402
 from traces import conversation_plans, pack_conversations, replay, targets  # noqa: E402
 from weights import DEFAULT_MODEL, INT4_TYPES, SetupError, model_dir  # noqa: E402
 
-MODES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"), "int4": (None, "int4")}
+# mode -> (--dtype, --quant, the most rows a step multiplies: from kernels.DENSE_ROWS, int4's steps of many rows run
+# through bf16 copies where the CPU has bf16 units, cli.bf16_matmul). int4x8: int4's numbers, int8 dot products
+MODES = {"fp32": ("float32", None, 1), "bf16": ("bfloat16", None, 1), "int8": (None, "int8", 1),
+         "int4": (None, "int4", 1), "int4-bf16": (None, "int4", DENSE_ROWS), "int4x8": (None, "int4x8", 1)}
 
 
 def load_modes(name: str, modes: list[str]) -> dict:
     """mode -> (model, tokenizer, its dtype, its quant), each loaded once."""
     out = {}
     for m in modes:
-        dtype, quant = MODES[m]
-        model, tok = load(name, "cpu", dtype, quant)
+        dtype, quant, rows = MODES[m]
+        model, tok = load(name, "cpu", dtype, quant, rows=rows)
         out[m] = (model, tok, resolve_device("cpu", dtype, quant)[1], quant)
         mb = sum(bench.matrix_bytes(getattr(owner, attr)) for owner, attr, _ in model.matrices()) / 2**20
         print(f"[load] {m}: {out[m][2]} activations, {mb:.0f} MiB of matrices", file=sys.stderr)
@@ -108,13 +113,14 @@ def saved_traces(args) -> list[dict]:
 
 
 def fidelity(args, modes: list[str]) -> list[dict]:
-    """KL(fp32 || mode) and top-1 agreement on the conversations; greedy answers against fp32's. One model in memory
-    at a time (the 1.5B's four modes together take 14 GB): fp32 first, whose log-probs wait on disk, memory-mapped."""
+    """KL(ref || mode) and top-1 agreement on the conversations; greedy answers against the reference's (modes[0]:
+    fp32, or --reference). One model in memory at a time (the 1.5B's four modes together take 14 GB): the reference
+    first, whose log-probs wait on disk, memory-mapped."""
     rows_data = load_data(args.data)[: args.problems]
     out, refs, exact = [], tempfile.TemporaryDirectory(prefix="nanokv-modes-"), None  # exact: fp32's answers
     for m in modes:
         model, tok, _, _ = load_modes(args.model, [m])[m]
-        if m == "fp32":
+        if m == modes[0]:
             traces = saved_traces(args) if args.traces else pack_conversations(
                 model, tok, conversation_plans(tok, [r["question"] for r in load_data(args.data)], args.n), args)
         prompts = [ask(tok, r["question"]) for r in rows_data]
@@ -124,7 +130,7 @@ def fidelity(args, modes: list[str]) -> list[dict]:
         for i, tr in enumerate(traces):
             at, path = targets(tr), Path(refs.name) / f"{i}.pt"
             q = replay(model, tr["ids"], make_run("full", None, 64, None, 1))[at].log_softmax(-1)  # [N, V]
-            if m == "fp32":
+            if m == modes[0]:
                 torch.save(q, path)
             p = torch.load(path, mmap=True)
             kl += (p.exp() * (p - q)).sum().item()
@@ -206,8 +212,8 @@ def main(argv=None):
     ap.add_argument("what", choices=["speed", "fidelity", "error", "accuracy"])
     ap.add_argument("--model", default=None, help="a name weights.py knows, or a model directory (default: the "
                     "default model)")
-    ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4 (fp32 is "
-                    "the reference: always included)")
+    ap.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma list of fp32, bf16, int8, int4, "
+                    "int4-bf16, int4x8 (fp32 is the reference: always included)")
     ap.add_argument("--batch-sizes", default="1,16,32", help="speed: rows decoded together")
     ap.add_argument("--policy", default="snapkv", choices=sorted(POLICIES), help="speed: the policy each decoder "
                     "evicts with")
@@ -216,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=1024, help="speed: the position the timed steps end at")
     ap.add_argument("--turns", type=int, default=6, help="speed: turns per mode")
     ap.add_argument("--steps", type=int, default=16, help="speed: greedy steps per turn")
+    ap.add_argument("--reference", default="fp32", help="fidelity: the mode the others are compared with (default: "
+                    "fp32, the exact path; e.g. int4, to see what int4x8's activations alone change, in less memory)")
     ap.add_argument("--traces", default=None, help="fidelity: an eval.py fidelity traces file of this model (FILE"
                     ".traces.json); else --n conversations are packed from --data")
     ap.add_argument("--n", type=int, default=12, help="fidelity: conversations")
@@ -232,7 +240,10 @@ def main(argv=None):
             if getattr(args, flag) < 1:  # each divides or counts: 0 would end in a division by zero, or nothing
                 raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
         check_output("--out", args.out)  # before the work, not after it
-        modes = ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]
+        ref = args.reference
+        modes = [ref] + [m for m in args.modes.split(",") if m != ref]
+        if ref not in MODES:
+            raise UsageError(f"--reference {ref}: choose from {', '.join(MODES)}")
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise UsageError(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
