@@ -290,7 +290,7 @@ def head_watch(run):
 
     def watch(cache, b, when, scores):
         if when == "after":
-            watch.held.append((cache.pos[:, b] != FREE).sum(-1).cpu())  # [L, H_kv]
+            watch.held.append((cache.head_pos(b) != FREE).sum(-1).cpu())  # [L, H_kv]
 
     watch.held = []
     return watch
