@@ -119,6 +119,8 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
+    if p.per_head and p.observe:  # an observer reads each head's slots at slot = index; a pooled head starts elsewhere
+        raise UsageError(f"{policy}: per-head budgets with an observe= hook are not supported (the heads share a pool)")
     if stats_file and not p.prepare:
         raise UsageError(f"--triattention-stats is read by triattention and triattention-layer only, not {policy}")
     if stats_file and not Path(stats_file).is_file():

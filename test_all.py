@@ -4915,7 +4915,7 @@ class _EqualHeads:
         return s
 
 
-@pytest.mark.parametrize("name", ["snapkv", "criticalkv", "h2o", "streaming"])
+@pytest.mark.parametrize("name", ["snapkv", "criticalkv", "streaming"])
 def test_equal_per_head_budgets_keep_what_uniform_keeps(tiny, name, monkeypatch):
     """The per-head path (cache.evict_per_head, free slots, masked attention) with every head at K keeps exactly the
     positions and generates exactly the tokens of the uniform path, batched and unbatched: the uniform path itself is

@@ -43,6 +43,8 @@ def heads_of(cache, b) -> list:
 def main():
     out = {}
     for name, prompts, K, r, n in SETTINGS:
+        if len(sys.argv) > 3 and name not in sys.argv[3:]:  # e.g. `tiny` alone: a quick check
+            continue
         model = load_model(test_all.tiny_dir(tempfile.mkdtemp()) if name == "tiny" else SMALL)
         for policy in ("adakv", "criticalkv-ada"):
             for mode in ("batch", "alone", "refill"):
