@@ -136,7 +136,7 @@ def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCa
     run.span = run.budget
     if run.policy.per_head and run.budget is not None:  # after a round, the row spans what its fullest head may keep
         run.span = budgets.row_span(model.cfg.num_key_value_heads, run.budget, run.buffer)
-    evicts = run.budget is not None and n_tokens > run.budget + run.buffer
+    evicts = run.budget is not None and n_tokens >= run.budget + run.buffer  # a round falls on the K + r-th token
     # per-head budgets: the heads of a (row, layer) share one pool of H_kv * cap slots (cache.py); AdaKV's rounding
     # may give the heads of a layer up to H_kv // 2 slots past H_kv * K between them: one slot per head covers it
     cap = run.budget + run.buffer + run.policy.per_head if evicts else n_tokens
