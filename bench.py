@@ -252,7 +252,8 @@ def measure_here(o: dict, path: str | None = None) -> dict:
     with clocked(spent) if on_cpu else nullcontext():
         t0 = time.perf_counter()
         for _ in range(steps):  # greedy decode of every row: the timed window, evictions included
-            slots += sum(cache.length)  # slots read by this step's attention (before its own token)
+            # slots read by this step's attention (before its own token); a pooled row's heads read the whole pool
+            slots += sum(cache.capacity if cache.pooled else n for n in cache.length)
             logits = feed(model, cache, logits[:, -1].argmax(-1, keepdim=True), run)
         sync(device)
         dt = time.perf_counter() - t0
@@ -267,7 +268,7 @@ def measure_here(o: dict, path: str | None = None) -> dict:
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cache.k.element_size()
     roof_tok_s = B * matvec_bandwidth(device, dtype) / (w_bytes + kv_bytes * slots / steps)
     side = {}
-    mem = kv_memory(cache, run, heads.held) if run.budget is not None else {}  # before the cache is freed
+    mem = kv_memory(cache, run, heads.held)  # before the cache is freed
     if o.get("side_by_side") and B > 1:
         del cache  # the row's own decoder is done: free its slots before two more decoders fill theirs
         side["speedup_side_by_side"] = side_by_side(model, o)
@@ -290,7 +291,7 @@ def head_watch(run):
 
     def watch(cache, b, when, scores):
         if when == "after":
-            watch.held.append((cache.pos[:, b] != FREE).sum(-1).cpu())  # [L, H_kv]
+            watch.held.append((cache.head_pos(b) != FREE).sum(-1).cpu())  # [L, H_kv]
 
     watch.held = []
     return watch
@@ -300,15 +301,18 @@ def kv_memory(cache, run, held: list) -> dict:
     """Allocated and used K+V bytes of all rows (MB), and how unequal the head budgets got: min / median / max of
     b_h = slots a head keeps after a round minus the buffer, over every layer, head, row and round of the window.
     Used: the slots holding a token at the fullest point of a cycle, just before a round (each head's kept slots + r);
-    a uniform policy uses all it allocates, a per-head one allocates every head for the fullest (budgets.row_span)."""
+    a uniform policy uses all it allocates, a per-head one a pool of H_kv (K + r + 1) slots per row and layer (cache.py).
+    alloc_per_layer: the slots allocated per row and layer, all KV heads together (generate.py's summary prints it)."""
     per_slot = 2 * cache.k.shape[-1] * cache.k.element_size()  # K and V of one slot
     alloc = cache.k.shape[0] * cache.k.shape[1] * cache.k.shape[2] * cache.capacity * per_slot
+    per_layer = {"alloc_per_layer": cache.k.shape[2] * cache.capacity}
     if not held:
-        return {"kv_alloc_mb": round(alloc / 1e6, 2)}
+        return {"kv_alloc_mb": round(alloc / 1e6, 2), **per_layer}
     h = torch.stack(held)  # [rounds, L, H_kv]
     used = (h.sum((1, 2)).double().mean().item() + h[0].numel() * run.buffer) * cache.k.shape[1] * per_slot
     b = (h - run.buffer).flatten().double()
-    return {"kv_alloc_mb": round(alloc / 1e6, 2), "kv_used_mb": round(used / 1e6, 2), "head_cap": run.span - run.buffer,
+    return {"kv_alloc_mb": round(alloc / 1e6, 2), **per_layer, "kv_used_mb": round(used / 1e6, 2),
+            "head_cap": run.span - run.buffer,
             "bh_min": int(b.min()), "bh_median": b.median().item(), "bh_max": int(b.max())}
 
 

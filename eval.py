@@ -264,8 +264,8 @@ def kept_share(run):
 
     def watch(cache, b, when, scores):
         if when == "after":
-            row, S = cache.rows[b], cache.length[b]
-            pos = cache.pos[:, b, :, :S]  # a free slot (per-head budgets) sits at FREE, past the prompt: held by none
+            row = cache.rows[b]
+            pos = cache.head_pos(b)  # [L, H_kv, S]; a free slot (per-head budgets) sits at FREE: held by none
             held = ((pos >= run.prompt_len[row]) & (pos != FREE)).sum(-1).double().mean().item()  # [L, H_kv] -> mean
             last[row] = (held, cache.next_pos[b])
 

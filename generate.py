@@ -121,6 +121,8 @@ def make_run(policy: str, budget: int | None, buffer: int, protect: bool | None,
         fix = " or --no-protect-prompt" if protect else ""
         raise UsageError(f"{what} not fit in --budget {budget} minus --buffer {buffer} = {budget - buffer} "
                          f"slots: use --budget >= {keep + buffer}{fix}")
+    if p.per_head and p.observe:  # an observer reads each head's slots at slot = index; a pooled head starts elsewhere
+        raise UsageError(f"{policy}: per-head budgets with an observe= hook are not supported (the heads share a pool)")
     return Run(p, budget, buffer, lens, lens if protect else [N_SINK] * len(lens), seed, ids or [],
                stats_file=stats_file)
 
@@ -141,12 +143,14 @@ def check_stats_file(path: str, policy: str, p: Policy):
 
 def make_cache(model, run: Run, n_tokens: int, batch: int | None = None) -> KVCache:
     """A cache for each row of the request (or `batch` rows that its rows take turns in, generate_refill) and
-    n_tokens per row: span + buffer slots when evicting (span: K, or a per-head policy's budgets.row_span), else all."""
+    n_tokens per row: K + r slots per head when evicting (K + r + 1 for a per-head policy), else all."""
     run.span = run.budget
     if run.policy.per_head and run.budget is not None:  # after a round, the row spans what its fullest head may keep
         run.span = budgets.row_span(model.cfg.num_key_value_heads, run.budget, run.buffer)
-    evicts = run.budget is not None and n_tokens > run.budget + run.buffer
-    cap = run.span + run.buffer if evicts else n_tokens
+    evicts = run.budget is not None and n_tokens >= run.budget + run.buffer  # a round falls on the K + r-th token
+    # per-head budgets: the heads of a (row, layer) share one pool of H_kv * cap slots (cache.py); AdaKV's rounding
+    # may give the heads of a layer up to H_kv // 2 slots past H_kv * K between them: one slot per head covers it
+    cap = run.budget + run.buffer + run.policy.per_head if evicts else n_tokens
     run.state, run.rounds = [{} for _ in run.prompt_len], [0] * len(run.prompt_len)  # a new cache starts afresh
     if run.policy.prepare and run.stats is None:  # e.g. TriAttention's calibration: once a request, cached on disk
         run.stats = run.policy.prepare(model, run.stats_file)
@@ -180,22 +184,29 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
             run.watch(cache, i, "before", None)
     t0 = time.perf_counter()
     S, r, dev = cache.length[b], slice(b, b + n), cache.k.device  # views into the cache, no copies
-    all_kv = (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
+    per_head, fresh = run.policy.per_head, run.span if run.rounds[rows[0]] else 0
+    # a per-head cache's heads are segments of one pool: the scorers get copies laid out per head (cache.head_view)
+    all_kv = None if per_head else (cache.k[:, r, :, :S], cache.v[:, r, :, :S])
     below = torch.tensor([run.protect_below[row] for row in rows], device=dev)  # [n]
     next_pos = torch.tensor(cache.next_pos[b : b + n], device=dev)[:, None, None]  # [n, 1, 1]
     memo = {}  # shared by this round's layers (e.g. epikv-lag scores all layers at once)
-    scores, masks, keeps = [], [], []
+    scores, masks, keeps, views = [], [], [], []
     # subtle: all layers are scored before any is evicted, so a scorer that pools over layers sees one state
     for layer, blk in enumerate(model.model.layers):
-        pos, protected = cache.pos[layer, r, :, :S], cache.protected(layer, r, below, run.buffer)
+        if per_head:  # keys, values, positions [n, H_kv, S(, D)] as if each head had a padded row of its own
+            keys, values, pos, side, src = cache.head_view(layer, r, fresh, S)
+            views.append((pos, side, src))
+        else:
+            keys, values, pos = cache.k[layer, r, :, :S], cache.v[layer, r, :, :S], cache.pos[layer, r, :, :S]
+            side = {k: s[layer, r, :, :S] for k, s in cache.side.items()}
+        protected = cache.protected(layer, r, below, run.buffer, pos)
         gens = [torch.Generator(dev).manual_seed(seed_of(run.seed, run.ids[row], layer,
                                                          run.rounds[row] if run.policy.redraw else 0))
                 for row in rows]  # one per row: its draws do not depend on the rows scored beside it
-        ctx = ScoreCtx(layer=layer, keys=cache.k[layer, r, :, :S], values=cache.v[layer, r, :, :S], pos=pos,
-                       protected=protected, queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r],
-                       wo=blk.self_attn.o_proj.weight, side={k: s[layer, r, :, :S] for k, s in cache.side.items()},
+        ctx = ScoreCtx(layer=layer, keys=keys, values=values, pos=pos, protected=protected,
+                       queries=cache.q_ring[layer, r], q_pos=cache.q_pos[r], wo=blk.self_attn.o_proj.weight, side=side,
                        all_kv=all_kv, cfg=model.cfg, budget=run.budget, buffer=run.buffer, generators=gens,
-                       fresh=run.span if run.rounds[rows[0]] else 0, memo=memo, stats=run.stats)
+                       fresh=fresh, memo=memo, stats=run.stats)
         s = run.policy.score(ctx)
         if blk.self_attn.window and s.shape[1] > 1:  # a sliding layer never again sees keys that left its window:
             # they go first (not for one-set scorers such as EPIKV, whose layers must keep the same positions)
@@ -205,11 +216,12 @@ def evict_round(model, cache: KVCache, run: Run, b: int, n: int = 1):
         keeps.append(ctx.keep)  # a per-head policy's own budgets, [n, H_kv] (budgets.py); else None
     if run.watch:  # untimed: the watcher sees what evict will rank while the scores still line up with cache.pos
         run.evict_s += time.perf_counter() - t0
-        for i in range(b, b + n):
-            run.watch(cache, i, "scored", [s[i - b] for s in scores])
+        for i in range(b, b + n):  # a pooled cache's scores as head_pos lays out its slots
+            run.watch(cache, i, "scored", [cache.to_front(l, i, v[2][i - b], s[i - b]) for l, (s, v) in
+                                           enumerate(zip(scores, views))] if per_head else [s[i - b] for s in scores])
         t0 = time.perf_counter()
-    if run.policy.per_head:
-        cache.evict(r, scores, masks, keeps, run.span)
+    if per_head:
+        cache.evict(r, scores, masks, keeps, run.span, views, run.buffer)
     else:
         cache.evict(r, scores, masks, run.budget)
     if cache.k.is_cuda:
@@ -247,7 +259,9 @@ def feed(model, cache: KVCache, tokens: Tensor, run: Run, n: list[int] | None = 
     out_logits = None
     while any(d < m for d, m in zip(done, n)):
         # as far as the cache holds, and no further than where a row's eviction is due
-        take = [min(m - d, cache.capacity - l, m if run.budget is None else run.due(row) - l, most or m)
+        # (a pooled row's length is its fullest head's: the pool itself checks that each head's appends fit)
+        take = [min(m - d, m if cache.pooled else cache.capacity - l, m if run.budget is None else run.due(row) - l,
+                    most or m)
                 for m, d, l, row in zip(n, done, cache.length, cache.rows)]
         if any(t <= 0 < m - d for t, m, d in zip(take, n, done)):
             raise RuntimeError(f"KV cache full ({cache.capacity} slots) with no eviction due: size it for the sequence")
@@ -607,10 +621,11 @@ def run_cli(args):
     K += f" {args.quant}" if args.quant else ""
     peak = peak_memory_mb(model.device)  # the whole process's, at the end: --compare's answer and the page included
     held = f"slots {cache.length[0]} held, {run.max_slots} max"
-    if cache.holes:  # per-head budgets: a row spans its fullest head's slots, most heads hold fewer
-        per_head = (cache.pos[:, 0] != FREE).sum(-1)  # [L, H_kv]
-        held = (f"slots per head {per_head.min()}-{per_head.max()} held (mean {per_head.float().mean():.0f}), "
-                f"{cache.capacity} allocated")
+    if cache.pooled:  # per-head budgets: each head holds its own number of slots
+        per_head = (cache.head_pos(0) != FREE).sum(-1)  # [L, H_kv]
+        held = f"slots per head {per_head.min()}-{per_head.max()} held (mean {per_head.float().mean():.0f})"
+    # what the cache allocates for one row in one layer, all KV heads together: the memory a policy costs
+    held += f", {cache.pos.shape[2] * cache.capacity} allocated per layer"
     print(f"[{args.policy} {K}] prompt {len(prompt)} tok | generated {len(ids)} tok | {speed(ids, t)} tok/s | "
           f"{held} | {ev} | peak {peak:.0f} MiB")
 

@@ -140,6 +140,24 @@ def eager_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None
     return (att.softmax(-1) @ v).to(q.dtype)
 
 
+def pool_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, cache, layer: int, q_pos: Tensor, window: int = 0,
+                   eager: bool = False) -> Tensor:
+    """Attention over a pooled layer (cache.pool): query group h reads head h's segment alone, through one SDPA over
+    the whole pool with a mask, no copy. q [B, H_q, T, D], pool_k/pool_v [B, 1, P, D], q_pos [B, T] -> [B, H_q, T, D].
+    subtle: every query head stacks on the query axis of one head, so each pool slot is read once per step, as a
+    uniform cache's slots are; the scores of the other heads' slots are computed and masked (H_kv x the products)."""
+    B, H_q, T, D = q.shape
+    own = cache.owners(layer)  # [B, H_kv, P]
+    H_kv, P = own.shape[1:]
+    pos = cache.pos[layer].view(B, 1, P)
+    mask = own[:, :, None] & attention_mask(pos, q_pos, window)  # [B, H_kv, T, P]
+    if eager:  # the written-out reference: each head's view of the pool (expanded, no copy), the same mask
+        return eager_attention(q, pool_k.expand(B, H_kv, P, D), pool_v.expand(B, H_kv, P, D), mask)
+    mask = mask.repeat_interleave(H_q // H_kv, 1).view(B, 1, H_q * T, P)  # query head i reads KV head i // n_rep
+    y = F.scaled_dot_product_attention(q.reshape(B, 1, H_q * T, D), pool_k, pool_v, attn_mask=mask)
+    return y.view(B, H_q, T, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kw: dict, mat: dict):
         super().__init__()
@@ -166,10 +184,11 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :H_q]), self.k_norm(qk[:, H_q:])], dim=1)
         # q and k rotate together in one call; keys are cached *after* RoPE so eviction never re-rotates
         q, k = rope(qk, cos, sin).split([H_q, H_kv], dim=1)  # [B, H_q, T, D], [B, H_kv, T, D]
-        keys, values = cache.append(self.layer, k, v, q, chunk)  # [B, H_kv, S, D]
+        keys, values = cache.append(self.layer, k, v, q, chunk)  # [B, H_kv, S, D]; pooled: [B, 1, P, D]
         window = self.window if chunk.end > self.window else 0  # the window binds once a query is W past 0
-        # per-head budgets leave free slots inside a row (cache.evict_per_head): every read masks them by position
-        if chunk.start is not None and T > 1 and not window and not self.eager and not cache.holes:
+        if cache.pooled:  # per-head budgets: each head's slots are a segment of one pool per (row, layer)
+            y = pool_attention(q, keys, values, cache, self.layer, chunk.pos, window, self.eager)
+        elif chunk.start is not None and T > 1 and not window and not self.eager:
             # every row alike: the held slots are all older than the chunk, which is causal among itself, i.e. a
             # causal mask aligned to the bottom right; SDPA takes it without building it (FlashAttention on CUDA),
             # and as plain is_causal when the chunk is all there is (T = S)
@@ -177,7 +196,7 @@ class Attention(nn.Module):
                                                enable_gqa=True)
         else:
             # in a decode step of equally long rows every query reads every held slot; else mask by position
-            plain = T == 1 and chunk.start is not None and not window and not cache.holes
+            plain = T == 1 and chunk.start is not None and not window
             mask = None if plain else attention_mask(cache.pos[self.layer, :, :, : keys.shape[2]], chunk.pos, window)
             if self.eager:  # the materialised [B, H_q, T, S] matrix attention-weight methods need (bench --eager)
                 y = eager_attention(q, keys, values, mask)

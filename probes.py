@@ -176,7 +176,11 @@ def head_perturbation(model, traces: list[dict], run_of) -> dict:
             q, qp = cache.q_ring[l, 0], cache.q_pos[0]
             use = qp >= q_from
             S, n = cache.length[0], cache.next_pos[0]
-            kept = (cache.k[l, 0, :, :S], cache.v[l, 0, :, :S], cache.pos[l, 0, :, :S])
+            if cache.pooled:  # per-head budgets: each head's slots copied out of the layer's pool, FREE behind
+                k, v, pos, _, _ = cache.head_view(l, slice(0, 1), S, S)
+                kept = (k[0], v[0], pos[0])
+            else:
+                kept = (cache.k[l, 0, :, :S], cache.v[l, 0, :, :S], cache.pos[l, 0, :, :S])
             archive = (arch["k"][l, :, :n], arch["v"][l, :, :n], torch.arange(n, device=qp.device).expand(H_kv, n))
             sums[which][l] += perturbation_l1(q[:, use], qp[use], archive, kept, wo[l]).cpu()
         counts[which] += 1
@@ -184,8 +188,13 @@ def head_perturbation(model, traces: list[dict], run_of) -> dict:
     def observe(cache, out, run):  # after every forward: the chunk's new keys/values also go to the archive
         n, S = out.chunk.n[0], cache.length[0]
         p = out.chunk.pos[0, :n]
-        arch["k"][:, :, p] = cache.k[:, 0, :, S - n : S]
-        arch["v"][:, :, p] = cache.v[:, 0, :, S - n : S]
+        if out.chunk.at is not None:  # a pooled cache: the chunk's tokens went behind each head's segment
+            layer = torch.arange(L, device=p.device)[:, None, None]
+            for x, name in ((cache.k, "k"), (cache.v, "v")):
+                arch[name][:, :, p] = x[:, 0].flatten(1, 2)[layer, out.chunk.at].transpose(1, 2)  # [L, H_kv, n, D]
+        else:
+            arch["k"][:, :, p] = cache.k[:, 0, :, S - n : S]
+            arch["v"][:, :, p] = cache.v[:, 0, :, S - n : S]
         if inner:
             inner(cache, out, run)
 

@@ -34,7 +34,8 @@ class ScoreCtx:
     q_pos: Tensor  # [B, w] their positions, -1 = empty
     wo: object  # [hidden, H_q * D] this layer's o_proj weight, of any kind (kernels.dense)
     side: dict  # per-slot side state, name -> [B, H_kv, S]
-    all_kv: tuple  # (k, v) of every layer, [L, B, H_kv, S, D]; for scorers that pool over layers
+    all_kv: tuple | None  # (k, v) of every layer, [L, B, H_kv, S, D]; for scorers that pool over layers (None for a
+    # per-head policy: its layers are pools of segments, cache.head_view copies out one layer at a time)
     cfg: object  # ModelConfig
     budget: int  # K: slots held right after an eviction, recent buffer included
     buffer: int  # r: the newest slots, never evicted; the candidates are the other S - r

@@ -4758,7 +4758,7 @@ def nanokv_kept(ctx, name):
     cache.k[0, :, :, :S], cache.v[0, :, :, :S], cache.pos[0, :, :, :S] = ctx.keys, ctx.values, ctx.pos
     cache.length = [S] * B
     cache.evict(slice(0, B), [s], [ctx.protected], [ctx.keep], span=S)
-    pos = cache.pos[0]
+    pos = torch.stack([cache.head_pos(b)[0] for b in range(B)])  # [B, H_kv, S]
     return ctx.keep, [[set(pos[b, h][pos[b, h] != FREE].tolist()) for h in range(H)] for b in range(B)]
 
 
@@ -4842,14 +4842,14 @@ def per_head_run(model, name, prompts, budget=24, buffer=8, n=60, **kw):
 def test_per_head_invariants(tiny, name):
     """After every round of adakv / criticalkv-ada (tiny model, K = 24, r = 8, 2 KV heads): each head's held
     positions in order, its newest r and the 4 sinks among them, at most the cache's span; the layer's heads
-    together hold H_kv * K (criticalkv-ada exactly, adakv within a slot per head of rounding); nothing past the
-    allocation; and the heads do differ."""
+    together hold H_kv * K (criticalkv-ada exactly, adakv within a slot per head of rounding); a pool of
+    H_kv * (K + r + 1) slots per layer; and the heads do differ."""
     seen = []
 
     def watch(cache, b, when, scores):
         if when != "after":
             return
-        n, pos = cache.next_pos[b], cache.pos[:, b]  # [L, H_kv, cap]
+        n, pos = cache.next_pos[b], cache.head_pos(b)  # [L, H_kv, S]
         held = pos != FREE
         counts = held.sum(-1)  # [L, H_kv]
         for l in range(pos.shape[0]):
@@ -4859,7 +4859,7 @@ def test_per_head_invariants(tiny, name):
                 assert p[-8:].tolist() == list(range(n - 8, n)) and len(p) <= run.span
         total = counts.sum(-1)  # [L]
         assert (total == 2 * 24).all() if name == "criticalkv-ada" else ((total - 48).abs() <= 2).all()
-        assert cache.length[b] == run.span and run.span + run.buffer == cache.capacity
+        assert cache.length[b] == run.span and cache.capacity == 24 + 8 + 1  # one pool of H_kv (K + r + 1) slots
         seen.append(counts)
 
     run = G.make_run(name, 24, 8, False, 10, seed=3)
@@ -4892,7 +4892,7 @@ def test_per_head_attention_masks_free_slots(tiny):
     ids = torch.randint(0, 101, (1, 50), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         G.feed(tiny, cache, ids, run)
-        assert cache.holes and (cache.pos[:, 0, :, : cache.length[0]] == FREE).any()
+        assert cache.pooled and (cache.head_pos(0) == FREE).any()
         saved = cache.k.clone(), cache.v.clone(), cache.pos.clone(), list(cache.length), list(cache.next_pos)
         sdpa = tiny(ids[:, -1:], cache).logits
         cache.k, cache.v, cache.pos, cache.length, cache.next_pos = saved[0].clone(), saved[1].clone(), \
@@ -4919,18 +4919,18 @@ class _EqualHeads:
         return s
 
 
-@pytest.mark.parametrize("name", ["snapkv", "criticalkv", "h2o", "streaming"])
+@pytest.mark.parametrize("name", ["snapkv", "criticalkv", "streaming"])
 def test_equal_per_head_budgets_keep_what_uniform_keeps(tiny, name, monkeypatch):
     """The per-head path (cache.evict_per_head, free slots, masked attention) with every head at K keeps exactly the
     positions and generates exactly the tokens of the uniform path, batched and unbatched: the uniform path itself is
-    the reference, and it never sees a mask (cache.holes stays False)."""
+    the reference, and it never sees a mask (cache.pooled stays False)."""
     ref, ref_cache, _ = per_head_run(tiny, name, PROMPTS, n=40)
-    assert not ref_cache.holes
+    assert not ref_cache.pooled
     p = P.POLICIES[name]
     monkeypatch.setitem(P.POLICIES, name, dataclasses.replace(p, score=_EqualHeads(p.score), per_head=True))
     got, cache, _ = per_head_run(tiny, name, PROMPTS, n=40)
-    assert cache.holes and got == ref
-    held = lambda c: [[c.pos[l, 0, h][c.pos[l, 0, h] != FREE].tolist() for h in range(2)] for l in range(3)]
+    assert cache.pooled and got == ref
+    held = lambda c: [[[p for p in h if p != FREE] for h in layer] for layer in c.head_pos(0).tolist()]
     assert held(cache) == held(ref_cache)
     one, _, _ = per_head_run(tiny, name, [PROMPTS[1]], n=40)
     assert one[0] == ref[1]

@@ -40,7 +40,7 @@ def show_kept(cache, layer: int, prompt_len: int, buffer: int, width: int = 96) 
     n = cache.next_pos[0]
     per = -(-n // width)  # positions per character, rounded up
     cols = -(-n // per)
-    pos = cache.pos[layer, 0, :, : cache.length[0]].clamp(max=cols * per)  # [H_kv, S]; a free slot (per-head
+    pos = cache.head_pos(0)[layer].clamp(max=cols * per)  # [H_kv, S]; a free slot (per-head
     # budgets) lands in one extra column, dropped
     kept = torch.zeros(pos.shape[0], cols * per + 1, device=pos.device).scatter_(1, pos, 1.0)[:, :-1]
     span = torch.arange(cols * per).view(cols, per) < n  # the last character may cover fewer positions
@@ -58,7 +58,7 @@ def kept_map(cache, layer: int, run, policy: str) -> dict:
     the recent buffer lie among the positions fed so far. `eval.py plot` draws it as an image."""
     return {"kind": "kept", "policy": policy, "budget": run.budget, "buffer": run.buffer, "layer": layer,
             "prompt_len": run.prompt_len[0], "positions": cache.next_pos[0],
-            "heads": [[p for p in head if p != FREE] for head in cache.pos[layer, 0, :, : cache.length[0]].tolist()]}
+            "heads": [[p for p in head if p != FREE] for head in cache.head_pos(0)[layer].tolist()]}
     # [H_kv][held], in temporal order; with per-head budgets each head holds its own number
 
 
@@ -87,7 +87,7 @@ class Recording:
         at, S = cache.next_pos[b], cache.length[b]
         # [L, H_kv, S], each slot's position (< at), or FREE where a head with a smaller budget holds nothing: those
         # land in one extra column, dropped
-        pos = cache.pos[:, b, :, :S].cpu().clamp(max=at)
+        pos = cache.head_pos(b).cpu().clamp(max=at)
         if when == "scored":  # slot i of a head scores scores[layer][h, i]; a one-set scorer's [1, S] serves all heads
             # NaN ranks as -inf in cache.evict: we record it so, and keep NaN for "no slot held this position"
             s = torch.stack([x.float().nan_to_num(nan=-math.inf).expand(H, S).cpu() for x in scores])  # [L, H_kv, S]

@@ -64,7 +64,7 @@ def first_round(model, ids, name, K, r, protect, sinks=True):
             seen["state"] = [(cache.k[l, 0, :, : K + r].clone(), cache.v[l, 0, :, : K + r].clone(),
                               cache.q_ring[l, 0].clone(), cache.q_pos[0].clone()) for l in range(cache.k.shape[0])]
         if when == "after" and "kept" not in seen:
-            pos = cache.pos[:, 0]
+            pos = cache.head_pos(0)  # [L, H_kv, S]: each head's positions, whatever the layout
             seen["kept"] = [[set(p[p != FREE].tolist()) for p in layer] for layer in pos]
             seen["keep"] = (pos != FREE).sum(-1)
 
