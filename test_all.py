@@ -223,15 +223,15 @@ BENCH_TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "inte
               "max_position_embeddings": 512, "tie_word_embeddings": True}
 
 
+def args_for(*argv):
+    return ev.build_parser().parse_args(list(argv))
+
+
 def bench_args(tmp_path, *extra):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(BENCH_TINY))
     return args_for("bench", "--model", str(cfg), "--policies", "full,snapkv", "--budget", "64", "--buffer", "16",
                     "--contexts", "160,288", "--steps", "32", "--prompt-len", "8", "--threads", "1", *extra)
-
-
-def args_for(*argv):
-    return ev.build_parser().parse_args(list(argv))
 
 
 @pytest.fixture(autouse=True)
@@ -382,6 +382,16 @@ def test_batched_rows_equal_unbatched_runs(tiny, name):
     for prompt, got in zip(PROMPTS, batched):
         assert generate_rows(tiny, name, [prompt])[0][0] == got
     assert name == "full" or run.rounds[1] > run.rounds[0] > 0
+
+
+@pytest.mark.parametrize("name", ["triattention", "triattention-layer", "curdkv", "lagkv", "scissorhands", "raas"])
+def test_baseline_policies_batched_rows_equal_unbatched_runs(tiny, name):
+    """Greedy, fp32: each row of a batch of three prompts generates exactly the tokens of its unbatched run, for the
+    seeds' deterministic baselines (as test_batched_rows_equal_unbatched_runs does for the first policies)."""
+    batched, run = generate_rows(tiny, name, PROMPTS)
+    for prompt, got in zip(PROMPTS, batched):
+        assert generate_rows(tiny, name, [prompt])[0][0] == got
+    assert run.rounds[1] > run.rounds[0] > 0
 
 
 SAME_STEP = [list(range(3, 13)), list(range(60, 70)), list(range(20, 47)), list(range(80, 90))]  # 10, 10, 27, 10
@@ -683,16 +693,6 @@ def test_first_answer_shows_a_bar_when_its_text_goes_to_a_file(tiny_lab):
 
     assert re.search(r"\[snapkv\] answer: +\d+%", stderr_of(False))  # a tqdm bar, redrawn on the terminal
     assert "[snapkv] answer:" not in stderr_of(True)
-
-
-@pytest.mark.parametrize("name", ["triattention", "triattention-layer", "curdkv", "lagkv", "scissorhands", "raas"])
-def test_baseline_policies_batched_rows_equal_unbatched_runs(tiny, name):
-    """Greedy, fp32: each row of a batch of three prompts generates exactly the tokens of its unbatched run, for the
-    seeds' deterministic baselines (as test_batched_rows_equal_unbatched_runs does for the first policies)."""
-    batched, run = generate_rows(tiny, name, PROMPTS)
-    for prompt, got in zip(PROMPTS, batched):
-        assert generate_rows(tiny, name, [prompt])[0][0] == got
-    assert run.rounds[1] > run.rounds[0] > 0
 
 
 # ---- policies: a hand-made ScoreCtx, and what every scorer must return ----
@@ -2131,6 +2131,12 @@ def test_quantized_forward_is_the_dense_forward_of_its_numbers(tmp_path, kind, d
         assert (got - exact).abs().max() <= {"int8": 5e-2, "int4": 0.3}[kind] * top
 
 
+def quantized_tiny(factory, dtype, cache={}):
+    if dtype not in cache:  # one per session and dtype: the fixture tiny is the exact fp32 model
+        cache[dtype] = load_model(tiny_dir(str(factory.mktemp("qtiny"))), "cpu", dtype, "int4")
+    return cache[dtype]
+
+
 @pytest.mark.parametrize("name", DETERMINISTIC + ["random", "vase", "vase-dkv"])
 def test_every_policy_runs_quantized_and_batches_as_alone(tmp_path_factory, name):
     """int4 weights: every policy evicts, and with fp32 activations each row of a batch of three prompts (ragged,
@@ -2157,12 +2163,6 @@ def test_every_policy_runs_quantized_and_batches_as_alone(tmp_path_factory, name
             one = G.make_run(name, 24, 8, False, len(p), ids=[b])
             alone = G.feed(model, G.make_cache(model, one, 60), torch.tensor([p]), one)[0, 0]
             assert got[b].isfinite().all() and (got[b] - alone).abs().max() <= 2e-2 * alone.abs().max()
-
-
-def quantized_tiny(factory, dtype, cache={}):
-    if dtype not in cache:  # one per session and dtype: the fixture tiny is the exact fp32 model
-        cache[dtype] = load_model(tiny_dir(str(factory.mktemp("qtiny"))), "cpu", dtype, "int4")
-    return cache[dtype]
 
 
 def test_quant_runs_bf16_activations_on_every_cpu(tiny_lab, monkeypatch):
@@ -2925,6 +2925,12 @@ def test_thinking_templates_render_with_their_switch(tmp_path):
         assert "\n" not in str(e.value) and "drop the flag" in str(e.value)
 
 
+def T_(tokens, closed, answer):
+    from tokenizer import Thought
+
+    return Thought(tokens, closed, answer)
+
+
 def test_thought_splits_where_thinking_ends(tmp_path):
     """Tokenizer.thought: R1's prompt opened the thinking, so it ends at the </think> token (counted in it) and the
     answer is what follows; Qwen3 opens it in its answer; with the switch off the prompt closed it (no thinking); a
@@ -2945,12 +2951,6 @@ def test_thought_splits_where_thinking_ends(tmp_path):
     assert r1.thought(enc(r1), out) == T_(len(out), False, "")
     spelled = [r1.tok.token_to_id(c) for c in "ab</think>cd"]  # </think> spelled character by character
     assert r1.thought(enc(r1), spelled) == T_(len("ab</think>"), True, "cd")
-
-
-def T_(tokens, closed, answer):
-    from tokenizer import Thought
-
-    return Thought(tokens, closed, answer)
 
 
 # ---- cli: one-line errors, long options taken whole, NANOKV_HOME, pipes and full disks, Hub ids ----
@@ -4683,7 +4683,7 @@ BENCH_FIELDS = {"ms_per_step", "tok_s", "roofline", "evict_ms", "evict_share", "
 
 
 def test_bench_rows(tmp_path):
-    """The bench's rows have their documented fields and sane values (tiny random model, 2 contexts, 2 policies, batch
+    """The bench's rows hold BENCH_FIELDS and sane values (tiny random model, 2 contexts, 2 policies, batch
     1 and 3): every row of a batch evicts on its own, so 3 rows give 3 x 2 row-rounds in the window. A step's time
     splits into matmuls, attention, eviction and the rest, and the clock's wrappers leave model.py as it was."""
     args = bench_args(tmp_path, "--batch-sizes", "1,3")
