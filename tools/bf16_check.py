@@ -1,5 +1,5 @@
 """
-What the bf16 copies of int4 weights change (issue 53): on the 1.5B with --quant int4, side by side in one process,
+What the bf16 copies of int4 weights change: on the 1.5B with --quant int4, side by side in one process,
 the int kernels everywhere against the rule of kernels.linear (steps of DENSE_ROWS rows or more through the bf16
 copies). Prints, for each: the full-cache logits of a few GSM8K prompts (max error, KL), one long fidelity trace's
 replay (its first --trace-tokens) through the full cache and through snapkv at K = 512, r = 64 (seconds, profile, KL),

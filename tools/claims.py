@@ -1,5 +1,5 @@
 """
-The claims study's tables (issue 25), from its result files: every number in RESULTS.md's claims section comes from
+The claims study's tables, from its result files: every number in RESULTS.md's claims section comes from
 
     python tools/claims.py results/study/claims_q15.json results/study/claims_q15_noprotect.json \
         results/study/fidelity_q15.json results/study/heads_q15.json

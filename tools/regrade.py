@@ -3,7 +3,7 @@ Grade accuracy rows again from the answers they hold, without decoding anything:
 
     python tools/regrade.py results/study/full_q15.json results/study/full_q05.json
 
-Every accuracy row keeps each problem's extracted answer (per_problem[i]["pred"]), since issue 34 its generated text
+Every accuracy row keeps each problem's extracted answer (per_problem[i]["pred"]), since the replication study its generated text
 (per_problem[i]["text_z"], packed by results.pack_text), and in its key the version of the rule that graded it
 (tasks.GRADING, per kind of answer). When the rule changes, `eval.py accuracy` would decode
 an old row's problems again; this tool grades the stored answers by the current rule instead, against the data file

@@ -1,5 +1,5 @@
 """
-Do the verdicts replicate (issue 34)? The replication table of RESULTS.md, recomputed from the result files:
+Do the verdicts replicate? The replication table of RESULTS.md, recomputed from the result files:
 
     python tools/replication.py        # the study's files, as results/study/run.sh and replicate.sh write them
 
@@ -58,7 +58,7 @@ def rows_of(paths: list[Path], task: str, key) -> dict:
 
 def accuracy_rows(paths: list[Path], by_buffer: bool = False) -> dict:
     """(policy, budget, protect) -> accuracy row; by_buffer: (policy, budget, protect, buffer), so that one budget's
-    rows at two recent windows stay apart (issue 52's EPIKV at r = K/4 beside the rest at r = 16)."""
+    rows at two recent windows stay apart (the seeds' EPIKV at r = K/4 beside the rest at r = 16)."""
     return rows_of(paths, "accuracy", lambda r: (r["policy"], r["budget"], r["protect"]) + ((r.get("buffer"),)
                                                                                          if by_buffer else ()))
 

@@ -1,5 +1,5 @@
 """
-Each seed paper's own comparisons (issue 52), one table per paper in the paper's layout, from the study's files:
+Each seed paper's own comparisons, one table per paper in the paper's layout, from the study's files:
 
     python tools/seeds.py        # results/study, as results/study/seeds.sh writes it; rerun as its lanes finish
 
@@ -30,16 +30,16 @@ from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, s
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
-# EPIKV's "at equal cost": the decode steps of eval.py bench at one K (equal memory), the 1.5B int4 (issue 51's rows)
-BENCH = STUDY.parent / "issue51" / "bench_q15_int4.json"
+# EPIKV's "at equal cost": the decode steps of eval.py bench at one K (equal memory), the 1.5B int4 (the baselines' rows)
+BENCH = STUDY.parent / "baselines" / "bench_q15_int4.json"
 EPI = ("epikv", "h2o", "raas", "scissorhands", "lagkv")  # EPIKV and its baselines
-# Parity margins, fixed on 5 December 2026 before any of these comparisons ran (issue 52: "the interval lies within a
-# margin stated in advance"). Two-sided: a parity claim holds when the interval of a - b lies within +-margin.
+# Parity margins, fixed on 5 December 2026 before any of these comparisons ran (the study's rule: "the interval lies
+# within a margin stated in advance"). Two-sided: a parity claim holds when the interval of a - b lies within +-margin.
 ACC_MARGIN = 0.06  # accuracy: replication.MARGIN, here on both sides
 KL_MARGIN = 0.20  # KL: a share of b's mean KL over the traces
 RA = ("snapkv", "rkv", "vase", "triattention", "triattention-layer")  # Random Attention's baselines
 # The papers' own figures, as short literal strings (their settings: reasoning models, caches of thousands of slots):
-# EPIKV's from its abstract (arXiv 2606.26472), VASE's from issue 52, the others' claims as DESIGN.md sums them up
+# EPIKV's from its abstract (arXiv 2606.26472), VASE's as the study's plan states it, the others' claims as DESIGN.md sums them up
 PAPER = {
     "random": "random matches it, once the prompt is protected",
     "spread": "protection bunches the policies",
@@ -227,10 +227,10 @@ def tables(d: Path, long: Path | None = None, K: int = 512, loops: bool = False)
 
 
 def main(argv=None):
-    ap = Parser(description="The seed papers' own comparisons (issue 52), one table per paper, from the study's files.")
+    ap = Parser(description="The seed papers' own comparisons, one table per paper, from the study's files.")
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     ap.add_argument("--bench", default=str(BENCH), help="eval.py bench rows for EPIKV's cost (default "
-                    "results/issue51/bench_q15_int4.json)")
+                    "results/baselines/bench_q15_int4.json)")
     ap.add_argument("--long", default=None, metavar="FILE", help="long-trace rows in place of the study's "
                     "longfid_q15.json: e.g. eval.py fidelity --traces on public reasoning traces (results/reasoning/)")
     ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")

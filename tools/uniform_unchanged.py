@@ -1,10 +1,10 @@
 """
-Whether a tree's uniform policies keep what another tree's keep (issue 50 checked that per-head budgets changed
+Whether a tree's uniform policies keep what another tree's keep (the per-head budgets were checked to change
 nothing for them): every uniform policy, at its default protection, protected and unprotected, as a batch of three
 prompts and as three single rows, greedy on the tests' tiny random model; the tokens and every round's kept positions
 (`cache.pos` through `Run.watch`) go to one JSON file. Two trees that keep the same write identical files:
 
-    git archive 8691234 | tar -x -C /tmp/old     # the code before issue 50
+    git archive 8691234 | tar -x -C /tmp/old     # the code before per-head budgets
     python tools/uniform_unchanged.py /tmp/old /tmp/old.json
     python tools/uniform_unchanged.py . /tmp/new.json
     cmp /tmp/old.json /tmp/new.json

@@ -19,14 +19,14 @@ machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))"
 log() { echo "$(date -u +%FT%TZ) lane $lane ($machine): $*" >> results/study/replicate.log; }
 step() { log "start $*"; "$@"; log "end (rc $?) $*"; }
 
-# Not on the refill path (issue 53): eval.py accuracy now refills a finished problem's row by default, and keys such
+# Not on the refill path: eval.py accuracy now refills a finished problem's row by default, and keys such
 # rows apart ("refill": true), because bf16/int4 matmuls may round a row differently beside other rows. This study's
 # rows were made without it, so its accuracy sweeps pass --no-refill: rerun, it resumes and reports its own rows rather
 # than computing every one again. A new study that pairs with these rows keeps both flags (results/study/seeds.sh); one that drops them compares
-# its rows with these only as a new mode's (RESULTS.md, issue 53: in bf16 a row's tokens depend on the rows beside it, and on
+# its rows with these only as a new mode's (RESULTS.md: in bf16 a row's tokens depend on the rows beside it, and on
 # the 135M 19 of 32 answers changed). Refill takes 1.65x fewer decode steps at batch 16 on 100 GSM8K problems, but
 # int4's step here costs about the same per row at any batch size: 1.04x less time on an AMD EPYC without AMX.
-# Nor on the bf16 copies of int4's values (issue 53), which a CPU with bf16 units would take at batch 16 and key apart:
+# Nor on the bf16 copies of int4's values, which a CPU with bf16 units would take at batch 16 and key apart:
 # --int-kernels keeps torch's int kernels, as every row here was made.
 NR=--no-refill
 Q15="--model qwen2.5-coder-1.5b --quant int4 --batch-size 16 --int-kernels"
@@ -52,15 +52,15 @@ LONG="$Q15 --data results/study/long_pool.jsonl --long 1500 --max-new-tokens 409
 # the accuracy sweeps of the 1.5B, lane B the long-trace fidelity, whose steps share the full cache's logits on disk
 # (--keep-refs: 12 reference replays, about 50 min, done once; the last step without the flag removes them): first the
 # policies that the replication table's claims compare, then EPIKV at its authors' window, every other policy at
-# K = 512. What comes last in each lane is what the issue cuts first.
+# K = 512. What comes last in each lane is what the plan cuts first.
 CLAIMS=snapkv,random,vase,vase-adversary,criticalkv,epikv
 REST=streaming,h2o,rkv,vase-dkv,vase-topk,vase-noreserve,epikv-band,epikv-lag
 NOPROTECT=snapkv,vase,vase-noreserve,vase-adversary,random,criticalkv
 reverse() { echo "$1" | tr , '\n' | tac | paste -sd,; }
-# Both lanes end on the issue's cut list, the last cut first: the long traces at the tighter budget, the 0.5B's
+# Both lanes end on the planned cut list, the last cut first: the long traces at the tighter budget, the 0.5B's
 # unprotected half, claim 3's looser budget; lane A takes each list from its other end, and keeps the references (lane
 # B's tighter-budget step, without --keep-refs, removes them when its sweep is whole). The tighter budget is K = 288,
-# not the issue's 256: random protects the prompt, and the longest of the 12 (220 tokens) and the window (64) need
+# not the planned 256: random protects the prompt, and the longest of the 12 (220 tokens) and the window (64) need
 # K >= 284; all four policies share it, so that they pair at one budget.
 cuts() {
   local order=echo keep=; [ "$1" = A ] && { order=reverse; keep=--keep-refs; }

@@ -1,5 +1,5 @@
 #!/bin/bash
-# How the rows in this folder are made: the full-cache baselines (issue 20) and the claims study (issue 25), in two
+# How the rows in this folder are made: the full-cache baselines and the claims study, in two
 # lanes on the 2-core CPU, each single-threaded. Every command resumes where it stopped (finished jobs are rows in
 # --out; an accuracy job's finished batches are in its .progress file), so rerunning this script continues the study;
 # a command whose rows are all in --out only prints them. The claims files start with full_q15.json's GSM8K full-cache
@@ -7,7 +7,7 @@
 # left running alone can be stopped and rerun with OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 (it resumes) on both cores.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-# --no-refill: these rows were made before refill (issue 53), which keys its rows apart
+# --no-refill: these rows were made before refill, which keys its rows apart
 B="--policies full --n 100 --batch-size 16 --no-refill"
 S="--no-refill --model qwen2.5-coder-1.5b --budgets 192 --buffer 16 --n 100 --batch-size 16 --max-new-tokens 512 --data data/gsm8k_test.jsonl"
 F="--model qwen2.5-coder-1.5b --buffer 16 --n 12 --min-tokens 512 --batch-size 16 --data data/gsm8k_test.jsonl --out results/study/fidelity_q15.json"

@@ -7,9 +7,9 @@
 # .progress file; fidelity: its finished traces) and logs its start and end to results/study/seeds.log.
 # The path: int4 at batch 16 with the int kernels and batches that drain (--int-kernels --no-refill), as every row
 # of the replication study was made, so that the new policies pair with its snapkv, random, vase, criticalkv, h2o,
-# rkv, vase-dkv and epikv rows. The faster paths of issue 53 are keyed apart: refill changes int4's numbers (19 of 32
-# 135M answers differ), and the bf16 copies have not been shown equal to the int kernels (RESULTS.md, issue 53).
-# Order: what matters most first; the issue's cuts come last, the last cut first: the MATH-500 column, then the
+# rkv, vase-dkv and epikv rows. The faster paths (refill, the bf16 copies) are keyed apart: refill changes int4's numbers (19 of 32
+# 135M answers differ), and the bf16 copies have not been shown equal to the int kernels (RESULTS.md, the fast modes).
+# Order: what matters most first; the planned cuts come last, the last cut first: the MATH-500 column, then the
 # unprotected half of comparison 1, then the long traces of comparison 3.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
