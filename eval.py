@@ -343,7 +343,7 @@ def model_settings(args) -> dict:
 EXTRA = {"streaming": 0.0, "random": 0.1, "snapkv": 0.1, "vase-noreserve": 0.2, "vase-dkv": 0.3, "curdkv-fixed": 0.3,
          "rkv": 0.4, "vase-adversary": 0.4, "vase": 0.5, "epikv": 0.5, "epikv-band": 0.5, "epikv-lag": 0.5,
          "vase-topk": 0.6, "criticalkv": 0.6, "h2o": 0.9,
-         # issues 50-51's policies, by their rounds and per-step observers beside these (RESULTS.md's bench rows)
+         # the per-head and the seeds' baseline policies, by their rounds and per-step observers beside these (RESULTS.md's bench rows)
          "triattention": 0.2, "triattention-layer": 0.2, "lagkv": 0.2, "adakv": 0.2, "curdkv": 0.3,
          "criticalkv-ada": 0.7, "scissorhands": 0.9, "raas": 0.9}
 

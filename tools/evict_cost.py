@@ -1,5 +1,5 @@
 """
-Issue 51: the time of one eviction round (score every layer, then cache.evict) alone, per policy, at the attention
+The time of one eviction round (score every layer, then cache.evict) alone, per policy, at the attention
 shapes of Qwen2.5-Coder-1.5B (28 layers, 12 / 2 heads, head dim 128, bf16 cache) with K + r slots held at synthetic
 positions that end at --context. No weights are loaded: the model has the 1.5B's attention shapes and a token MLP, the
 scorers read only the cache (TriAttention gets random query statistics: its cost does not depend on their values).

@@ -1,5 +1,5 @@
 """
-Issue 51: how much nanokv's departures from TriAttention's code move its kept sets, on the default model's keys over
+How much nanokv's departures from TriAttention's code move its kept sets, on the default model's keys over
 1,100 tokens of MATH-500 text (K = 512, r = 64, a 64-token prompt): the z-score over the candidates against the
 authors' over every non-prompt slot (the buffer included), and the calibration's length. `python
 tools/triattention_departures.py` (about a minute on a CPU).

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 34, do the verdicts replicate: a second model (the 0.5B on 200 GSM8K problems), a second task (the 1.5B on
+# Do the verdicts replicate: a second model (the 0.5B on 200 GSM8K problems), a second task (the 1.5B on
 # 100 MATH-500 problems, answers up to 2,048 tokens), claim 3 by accuracy at three budgets, and long-trace fidelity
 # (single AIME answers of 1,500-4,096 tokens). Every sweep runs on --quant int4 (bf16 activations here), whose
 # full-cache accuracy on the 1.5B's 100 GSM8K problems does not differ from fp32's (RESULTS.md); each compares policies

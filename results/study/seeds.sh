@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 52, each paper's own comparison, baseline for baseline, on the 1.5B (Qwen2.5-Coder-1.5B-Instruct, int4):
+# Each paper's own comparison, baseline for baseline, on the 1.5B (Qwen2.5-Coder-1.5B-Instruct, int4):
 #   bash results/study/seeds.sh A & bash results/study/seeds.sh B & wait
 #   bash results/study/seeds.sh A 2     # lane A's second step alone, e.g. to run two of lane A's steps side by side
 #   bash results/study/seeds.sh B 4 lagkv,scissorhands   # only these of the step's policies (a step split in two lanes)
