@@ -301,7 +301,8 @@ def kv_memory(cache, run, held: list) -> dict:
     """Allocated and used K+V bytes of all rows (MB), and how unequal the head budgets got: min / median / max of
     b_h = slots a head keeps after a round minus the buffer, over every layer, head, row and round of the window.
     Used: the slots holding a token at the fullest point of a cycle, just before a round (each head's kept slots + r);
-    a uniform policy uses all it allocates, a per-head one a pool of H_kv (K + r + 1) slots per row and layer (cache.py).
+    a uniform policy uses all it allocates, a per-head one a pool of H_kv (K + r + 1) slots per row and layer
+    (cache.py).
     alloc_per_layer: the slots allocated per row and layer, all KV heads together (generate.py's summary prints it)."""
     per_slot = 2 * cache.k.shape[-1] * cache.k.element_size()  # K and V of one slot
     alloc = cache.k.shape[0] * cache.k.shape[1] * cache.k.shape[2] * cache.capacity * per_slot

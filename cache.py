@@ -92,7 +92,8 @@ class KVCache:
         # positions and side state of the new slots are the same in every layer: written here, once, for all
         if self.pooled:  # each head appends behind its own segment, at a slot of its own in each layer
             at, alike = self.append_slots(row, col), False
-            flat = (at + (row * at.shape[-1] * self.capacity)[None, :, None]).flatten(1)  # [L, N * H_kv] into [L, B * P]
+            # [L, N * H_kv] into [L, B * P]
+            flat = (at + (row * at.shape[-1] * self.capacity)[None, :, None]).flatten(1)
             self.pos.view(flat.shape[0], -1).scatter_(1, flat, pos[row, col][None, :, None].expand_as(at).flatten(1))
             for side in self.side.values():
                 side.view(flat.shape[0], -1).scatter_(1, flat, 0.0)
@@ -324,7 +325,8 @@ class KVCache:
                 raise RuntimeError(f"layer {layer}: a head's budget {int(kh[short][0])} is below its "
                                    f"{int(must[short][0])} protected slots: raise it in the budget rule (budgets.py)")
             if m > span:
-                raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by budgets.row_span")
+                raise RuntimeError(f"a head keeps {m} slots, past the {span} the cache spans: size it by "
+                                   "budgets.row_span")
             # each head's best first; those past its own count sort to the end (as slot S), then temporal order
             top = s.topk(m, dim=-1).indices  # [n, H_kv, m]
             late = torch.arange(m, device=top.device) >= kh[..., None]

@@ -14,7 +14,8 @@ with the next problem, and keeps each problem's outcome. Left out: sampling / pa
 Laid out top to bottom: the sweep's shared state (the model, the cached traces); the measurements, one function
 per subcommand, each mapping a job to its row's fields; the driver (jobs, their keys and costs, checks before the
 first job); the CLI. Beside it: traces.py (the packed conversations, replay, compare), probes.py (recall probes and
-per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result files).
+per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result
+files).
 """
 
 import argparse
@@ -343,7 +344,8 @@ def model_settings(args) -> dict:
 EXTRA = {"streaming": 0.0, "random": 0.1, "snapkv": 0.1, "vase-noreserve": 0.2, "vase-dkv": 0.3, "curdkv-fixed": 0.3,
          "rkv": 0.4, "vase-adversary": 0.4, "vase": 0.5, "epikv": 0.5, "epikv-band": 0.5, "epikv-lag": 0.5,
          "vase-topk": 0.6, "criticalkv": 0.6, "h2o": 0.9,
-         # the per-head and the seeds' baseline policies, by their rounds and per-step observers beside these (RESULTS.md's bench rows)
+         # the per-head and the seeds' baseline policies, by their rounds and per-step observers beside these
+         # (RESULTS.md's bench rows)
          "triattention": 0.2, "triattention-layer": 0.2, "lagkv": 0.2, "adakv": 0.2, "curdkv": 0.3,
          "criticalkv-ada": 0.7, "scissorhands": 0.9, "raas": 0.9}
 
@@ -488,8 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     shared = Parser(add_help=False, parents=[common])  # the measurements on data
     shared.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None, help="a thinking model's "
                         "chat template switch (Qwen3's enable_thinking), in the rows' key when given; answers are "
-                        "graded after </think> (default: the template's own; --no-thinking is refused where the template has no "
-                        "switch, as R1 distills', either flag where it writes no <think>)")
+                        "graded after </think> (default: the template's own; --no-thinking is refused where the "
+                        "template has no switch, as R1 distills', either flag where it writes no <think>)")
     shared.add_argument("--budgets", default="128,256,512", help="comma list of K: cache slots right after an "
                         "eviction, buffer included")
     shared.add_argument("--data", default=str(DATA / "math500.jsonl"), help="jsonl with 'problem' (or 'question') "

@@ -360,7 +360,8 @@ FLOAT_DTYPES = ("F32", "F64", "F16", "BF16")  # safetensors' names for the dtype
 def garbled(name: str, missing: list[str]) -> str | None:
     """Whether an unknown tensor name is a damaged copy of an expected one: the missing name of the same length that
     differs from it in the fewest characters (at most 4, or a third of the name), or "" for a name with bytes no tensor
-    name holds; None for a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no missing name)."""
+    name holds; None for a name that is not damaged (a variant's extra tensor, such as an o_proj bias, matches no
+    missing name)."""
     near = [(sum(a != b for a, b in zip(m, name)), m) for m in missing if len(m) == len(name)]
     if near and min(near)[0] <= max(4, len(name) // 3):  # a few bytes overwritten in place (a run of 8 too)
         return min(near)[1]
@@ -479,8 +480,8 @@ class Checkpoint:
     def check_side(self):
         """Refuse 4-bit blocks made beside other weights than this directory's model.safetensors (replaced or edited
         since): --quant int4 would run the old model's numbers, silently. The side file records its source's
-        fingerprint; one made before that field is checked by its content instead: SAMPLED_ROWS rows of each kept matrix,
-        q * scale + offset, must be the fp32 file's values (weights.convert writes them so, bit for bit)."""
+        fingerprint; one made before that field is checked by its content instead: SAMPLED_ROWS rows of each kept
+        matrix, q * scale + offset, must be the fp32 file's values (weights.convert writes them so, bit for bit)."""
         fp32 = self.path / "model.safetensors"
         side_file(self.path)  # a folder or a dangling link of its name is refused, not taken for none
         if not self.kept:
