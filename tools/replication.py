@@ -65,8 +65,9 @@ def accuracy_rows(paths: list[Path], by_buffer: bool = False) -> dict:
 
 def fidelity_rows(paths: list[Path], by_protect: bool = False, loops: bool = False) -> dict:
     """(policy, budget, buffer) -> fidelity row; by_protect: (policy, budget, buffer, protect), so that a policy's
-    protected and unprotected rows stay apart (tools/seeds.py). A trace that loops (looping) is left out of every
-    row's kl_by_trace unless loops; a row left with no trace is left out (its cells read 'not run')."""
+    protected and unprotected rows stay apart (tools/seeds.py). A long trace that loops (looping) is left out of every
+    row's kl_by_trace unless loops; a row left with no trace is left out (its cells read 'not run'). The packed
+    conversations are read with loops: they hold several short answers, the loop check is for long ones."""
     rows = rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]) + ((r["protect"],)
                                                                                         if by_protect else ()))
     loop = looping(paths)
@@ -230,7 +231,7 @@ def main(argv=None):
         d = study_folder(args.study, FILES, "the study's", "results/study/run.sh and replicate.sh")
         columns = {  # name -> (accuracy rows, fidelity rows, accuracy budget, fidelity (budget, buffer)s)
             "1.5B, GSM8K (fp32, K = 192)": (accuracy_rows([d / "claims_q15.json", d / "claims_q15_noprotect.json"]),
-                                            fidelity_rows([d / "fidelity_q15.json"]), 192, [(192, 16)]),
+                                            fidelity_rows([d / "fidelity_q15.json"], loops=True), 192, [(192, 16)]),
             "0.5B, GSM8K (int4, K = 208)": (accuracy_rows([d / "claims_q05.json"]), {}, 208, []),
             "1.5B, MATH-500 (int4, K = 416)": (accuracy_rows([d / "math_q15.json"]), {}, 416, []),
             "long traces (int4, fidelity)": ({}, fidelity_rows([d / "longfid_q15.json"], loops=args.loops), None,
