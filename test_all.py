@@ -1837,7 +1837,7 @@ def lost_protected(model, name, K, r, protect, prompt):
 
     def watch(cache, b, when, scores):
         if when == "after":
-            for l, layer in enumerate(cache.pos[:, b]):  # [H_kv, cap]
+            for l, layer in enumerate(cache.head_pos(b)):  # [H_kv, S], either layout
                 for h, p in enumerate(layer):
                     lost.extend((run.rounds[0], l, h, q) for q in set(range(below)) - set(p.tolist()))
 
