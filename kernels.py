@@ -47,12 +47,12 @@ def _jit(fn):
 #   model.weight() stores an fp32 CPU weight as the transpose of a contiguous [in, out] buffer, the layout both
 #   BLASes read fastest.
 # - bf16 (or fp32 with torch's threads): F.linear on a contiguous [out, in] weight, oneDNN's layout, 1.2-1.7x faster
-#   than the transposed view (RESULTS.md, "Decode the weights as they ship").
+#   than the transposed view (RESULTS.md, "The fast modes: int4, int8, bf16").
 # - QuantWeight: weight-only int8 or int4, torch's CPU kernels; the activations keep their dtype (quant.py makes them).
 #   Those kernels do not use a CPU's bf16 matrix units (AMX, AVX512-BF16) and their time grows with the rows: they win
 #   while a step reads its weights (decode), and lose once it computes (many rows). So where the CPU has bf16 units
 #   and a run asked for it (quant.bf16_copies), the weight also keeps its own values dequantized once into bf16, and a
-#   step of DENSE_ROWS rows or more multiplies by that copy (RESULTS.md, "int4 at bf16 speed, replays, memory").
+#   step of DENSE_ROWS rows or more multiplies by that copy (RESULTS.md, "The fast modes").
 # - a tuple of weights: row blocks of one fused matrix that could not share a kind (e.g. q and k stored as 4-bit
 #   blocks, v as 6-bit ones): their outputs are concatenated.
 

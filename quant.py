@@ -5,7 +5,7 @@ numbers get there.
     python generate.py --model qwen2.5-coder-1.5b --quant int4 --policy criticalkv --compare
 
 Batch-1 decode reads every weight once per token, so on a CPU it runs at the memory's speed, and fewer bytes per
-weight is what makes it faster (RESULTS.md, "Decode the weights as they ship"). Two sources of numbers:
+weight is what makes it faster (RESULTS.md, "The fast modes: int4, int8, bf16"). Two sources of numbers:
 - A model that weights.py converted from a GGUF keeps the GGUF's 4-bit blocks beside it (weights.SIDE). A Q4_K or
   Q4_1 block of 32 values is already an int4 group, w = q * scale + offset with q in 0..15, so --quant int4 runs the
   file's own numbers. The side file also records every tensor's GGUF type: the wider types (Q5_0, Q6_K, Q8_0) become

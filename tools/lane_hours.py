@@ -15,9 +15,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-# "lane A", "lane A step 2" or "lane B step 4 lagkv,h2o" (some of a step's policies), then "(Intel(R) Xeon(R) ...)":
+# "lane A", "lane all" (one lane running every step), "lane A step 2" or "lane B step 4 lagkv,h2o" (some of a step's
+# policies), then "(Intel(R) Xeon(R) ...)":
 # the lazy .*? spans its parentheses
-LINE = re.compile(r"lane ([AB](?: step \d+(?: [\w,-]+)?)?)(?: \(.*?\))?: (start|end) ")
+LINE = re.compile(r"lane ((?:[AB]|all)(?: step \d+(?: [\w,-]+)?)?)(?: \(.*?\))?: (start|end) ")
 
 
 def stamp(line: str, k: int) -> datetime:
