@@ -4589,7 +4589,7 @@ def test_sentence_share_hand_worked():
     rounds = traces.sentence_share(run, sentence_trace())
     FREE = torch.iinfo(torch.long).max
     pos = torch.tensor([[[0, 1, 2, 8, FREE], [0, 4, 8, 9, FREE]]])  # [L=1, H_kv=2, S=5], a free slot in each
-    cache = SimpleNamespace(length=[5], next_pos=[10], pos=pos[:, None])  # [L, B=1, H_kv, S]
+    cache = SimpleNamespace(next_pos=[10], head_pos=lambda b: pos)  # [L, H_kv, S] of batch row 0
     run.watch(cache, 0, "before", None)
     run.watch(cache, 0, "after", None)
     (r,) = rounds
@@ -4641,6 +4641,24 @@ def test_fidelity_replays_labelled_traces_and_leaves_loops_out(tiny_lab, tmp_pat
     assert rows2[1]["trace_ids"] == ["loop", "real"] and rows2[1]["sentences_by_trace"][0] is None
     with pytest.raises(SystemExit, match="1 traces of --long 0 tokens or more that do not loop"):
         ev.main(argv + ["--n", "2"])
+
+
+def test_fidelity_traces_runs_every_policy(tiny_lab, tmp_path):
+    """Every registered policy replays a labelled trace: its row holds one trace's sentence measures, the shares held
+    in [0, 1] whatever the cache's layout (per-head policies pool their heads)."""
+    g = torch.Generator().manual_seed(1)
+    text = " ".join("".join(chr(97 + int(c)) for c in torch.randint(26, (2 + i % 5,), generator=g)) + "."
+                    for i in range(70))
+    cuts = [0] + [i + 1 for i, c in enumerate(text) if c == "."]
+    chunks = [{"start": a, "end": b, "importance": (k % 5) / 5} for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    f = write_traces(tmp_path / "t.jsonl", [{"id": "t", "problem": "What is 2 + 2?", "trace": text, "chunks": chunks}])
+    ev.main(["fidelity", "--model", tiny_lab.model, "--traces", f, "--n", "1", "--policies", "all", "--budgets", "96",
+             "--buffer", "16", "--out", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {r["policy"] for r in rows} == set(P.POLICIES) | {"full"}
+    for r in rows[1:]:
+        (s,) = r["sentences_by_trace"]
+        assert 0 <= s["top"] <= 1 and 0 < s["all"] < 1, r["policy"]
 
 
 @pytest.mark.parametrize("line, msg", [("{\"id\": \"a\", \"problem\": \"p\"}", "missing or empty field 'trace'"),

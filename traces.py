@@ -276,8 +276,8 @@ def sentence_share(run, trace: dict) -> list[dict]:
             prev(cache, b, when, scores)
         if when != "after":
             return
-        S, fed = cache.length[b], cache.next_pos[b]  # positions < fed have gone through the model
-        pos = cache.pos[:, b, :, :S].clamp(max=T)  # [L, H_kv, S]; a free slot (FREE) reads as position T: no sentence
+        fed = cache.next_pos[b]  # positions < fed have gone through the model
+        pos = cache.head_pos(b).clamp(max=T)  # [L, H_kv, S]; a free slot (FREE) reads as position T: no sentence
         held_all = ((pos >= P) & (pos < T)).sum(-1).double().mean(-1) / (fed - P)  # [L]
         fed_top = is_top[:fed].sum()
         held_top = is_top[pos].sum(-1).double().mean(-1) / fed_top if fed_top else torch.full_like(held_all, nan)
