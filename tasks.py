@@ -28,26 +28,33 @@ def grading(rows: list[dict]) -> int:
     return GRADING["gsm8k" if rows and "####" in rows[0]["answer"] else "math"]
 
 
-def load_data(path: str) -> list[dict]:
-    """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
+def jsonl(path: str, what: str = "data file", shipped: str = "the shipped sets are in data/, see data/README.md"):
+    """(line number, value) of each non-blank line of a jsonl file; a file that is missing, not a regular file, not
+    UTF-8 or holds a line that is not JSON is one line naming it (what: how to call the file; shipped: where good
+    ones are)."""
     if not Path(path).is_file():
-        what = "is not a regular file (a pipe or a device: save it to a file first)" if Path(path).exists() \
+        how = "is not a regular file (a pipe or a device: save it to a file first)" if Path(path).exists() \
             else "does not exist"
-        raise UsageError(f"data file {path} {what} (the shipped sets are in data/, see data/README.md)")
+        raise UsageError(f"{what} {path} {how} ({shipped})")
     try:  # lines end at \n only: U+2028 or U+0085 inside a question is valid JSON, which str.splitlines would cut
         lines = Path(path).read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
-        raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}): pass a jsonl file") from None
-    rows = []
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {e.start}): pass a jsonl file") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield i, json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{path} line {i}: not valid JSON ({e.msg}): fix or delete that line") from None
         except RecursionError:  # the decoder recurses once per level of [ or {
             raise UsageError(f"{path} line {i}: JSON nested too deeply to read: fix or delete that line") from None
+
+
+def load_data(path: str) -> list[dict]:
+    """Rows of a jsonl file with a question ('problem' or 'question') and an 'answer'; one-line errors."""
+    rows = []
+    for i, row in jsonl(path):
         q = row.get("problem", row.get("question")) if isinstance(row, dict) else None
         if not isinstance(q, str) or "answer" not in row:
             missing = "'answer'" if isinstance(q, str) else "'problem' (or 'question')"

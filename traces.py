@@ -13,9 +13,7 @@ characters mapped to its token positions (`token_spans`), so that eval can ask w
 Left out: sampled traces.
 """
 
-import json
 from math import nan
-from pathlib import Path
 
 
 import torch
@@ -25,7 +23,7 @@ from cli import UsageError
 from generate import feed, generate, make_cache, make_run
 from model import ModelError
 from stats import spearman
-from tasks import is_loop
+from tasks import is_loop, jsonl
 
 SYSTEM = "Solve each problem step by step and put the final answer in \\boxed{}."  # short: fits a small K - r
 
@@ -193,17 +191,8 @@ def token_spans(tok, text: str, ids: list[int], spans: list[tuple[int, int]]) ->
 def read_traces(path: str) -> list[dict]:
     """Rows of a reasoning-traces jsonl (data/README.md): `id`, `problem`, `trace`, optionally `chunks` with `start`,
     `end` (characters of `trace`) and `importance`; one-line errors naming the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--traces {path}: no such file (the shipped traces: data/reasoning_traces.jsonl)")
     rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path} line {i}: not valid JSON ({e.msg}): fix or delete that line") from None
+    for i, row in jsonl(path, "--traces file", "the shipped traces: data/reasoning_traces.jsonl"):
         bad = [k for k in ("id", "problem", "trace") if not isinstance(row.get(k) if isinstance(row, dict) else None,
                                                                          str) or not row[k].strip()]
         if bad:
