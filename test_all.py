@@ -3551,7 +3551,7 @@ BAD_GENERATE = [
     (["--prompt", "  "], "--prompt is empty"),
     (["--kept-json", "/nonexistent-dir/kept.json"], "--kept-json /nonexistent-dir/kept.json: its folder does not"),
     (["--html", "/nonexistent-dir/kept.html"], "--html /nonexistent-dir/kept.html: its folder does not exist"),
-    (["--html", HERE], f"--html {HERE} is a folder: name a file in it"),
+    (["--html", HERE], f"--html {HERE} names a folder: name a file in it"),
     (["--vs", "snapkv"], "--vs snapkv names the policy --compare answers with: add --compare"),
     (["--policy", "snapkv", "--compare", "--vs", "snapkv"], "--vs snapkv is the --policy itself"),
     (["--policy", "snapkv", "--compare", "--vs", "nope"], "invalid choice"),
