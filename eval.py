@@ -13,7 +13,8 @@ with the next problem, and keeps each problem's outcome. Left out: sampling / pa
 
 Laid out top to bottom: the sweep's shared state (the model, the cached traces); the measurements, one function
 per subcommand, each mapping a job to its row's fields; the driver (jobs, their keys and costs, checks before the
-first job); the CLI. Beside it: traces.py (the packed conversations, replay, compare), probes.py (recall probes and
+first job); the CLI. Beside it: traces.py (the packed conversations, other models' reasoning traces and their
+sentences, replay, compare), probes.py (recall probes and
 per-head measures), stats.py (paired statistics, tables), bench.py (speed), plot.py (figures), results.py (result
 files).
 """
@@ -479,8 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--protect-prompt", action=argparse.BooleanOptionalAction, default=None,
                         help="keep every prompt token, for all policies (default: each policy's paper setting)")
     common.add_argument("--int-kernels", action="store_true", help="with --quant, torch's int kernels at every batch "
-                        "size, never the bf16 copies of a CPU with bf16 units: the numbers (and row keys) of the sweeps "
-                        "made before them, for runs that must pair with those rows (refused without --quant)")
+                        "size, never the bf16 copies of a CPU with bf16 units: the numbers (and row keys) of the "
+                        "sweeps made before them, for runs that must pair with those rows (refused without --quant)")
     common.add_argument("--seed", type=int, default=0, help="seeds probes and the stochastic policies")
     common.add_argument("--out", default=None, help="JSON file of rows; rerunning with the same file resumes, and "
                         "several sweeps on one machine may write one file at once")

@@ -271,8 +271,8 @@ def sentence_share(run, trace: dict) -> list[dict]:
         fed_top = is_top[:fed].sum()
         held_top = is_top[pos].sum(-1).double().mean(-1) / fed_top if fed_top else torch.full_like(held_all, nan)
         L, H = pos.shape[:2]
-        counts = torch.zeros(L, H, n + 1, dtype=torch.double).scatter_add_(-1, sent[pos], torch.ones(pos.shape,
-                                                                                                       dtype=torch.double))
+        ones = torch.ones(pos.shape, dtype=torch.double)
+        counts = torch.zeros(L, H, n + 1, dtype=torch.double).scatter_add_(-1, sent[pos], ones)  # slots per sentence
         done = (ends <= fed) & (lens > 0)  # sentences fed whole
         frac = (counts[..., :n] / lens.clamp(min=1)).mean(1)[:, done]  # [L, sentences fed] share of each held
         rho = [spearman(imp[done], f) for f in frac] if done.sum() >= 5 else [nan] * L
