@@ -5880,6 +5880,22 @@ def test_bench_rows(tmp_path):
             assert row["evict_ms"] > 0 and 0 < row["evict_share"] < 1
 
 
+def test_bench_trims_the_heap_before_it_resets_the_peak(monkeypatch, tmp_path):
+    """A row's peak starts from a trimmed heap: reset_peak hands the free pages back (trim_heap) before it resets the
+    peak RSS, so what loading freed, resident in a different amount each run, stays out of every row's peak_mb."""
+    from pathlib import Path
+
+    calls = []
+    monkeypatch.setattr(bench, "trim_heap", lambda: calls.append("trim"))
+    clear = tmp_path / "clear_refs"
+    monkeypatch.setattr(bench, "Path", lambda p: clear if p == "/proc/self/clear_refs" else Path(p))
+    clear.write_text("")
+    real_write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, t, *a, **k: (calls.append(("reset", t)), real_write(self, t))[1])
+    bench.reset_peak("cpu")
+    assert calls == ["trim", ("reset", "5")]
+
+
 def test_bench_side_by_side(tmp_path):
     """--side-by-side: a row of batch > 1 also reports its speed-up over a batch-1 decoder timed in the same process;
     a batch-1 row does not. The flag joins the key of those rows only, so earlier results of the others still resume."""
