@@ -99,7 +99,7 @@ def traces(args, lab: dict) -> list[dict]:
     path = Path(args.out + ".traces.json") if args.out else None
     saved = read_json(path, dict) if path and path.exists() else {}
     if getattr(args, "traces", None):  # another model's reasoning, read by this one: nothing to generate or save
-        lab["traces"] = reasoning_traces(model_of(args, lab)[1], args.traces, args.n, long, args.loops)
+        lab["traces"] = reasoning_traces(model_of(args, lab)[1], args.traces, args.n, long, args.loops, args.skip)
         return lab["traces"]
     if saved.get("key") != key:
         model, tok = model_of(args, lab)
@@ -375,7 +375,8 @@ def make_jobs(args) -> list[dict]:
         extra = {"min_tokens": args.min_tokens, **({"long": args.long} if args.long else {})}  # old rows keep keys
     if getattr(args, "traces", None):  # another model's traces, named by content as data is; no --min-tokens
         extra = {"replay": "traces", **({"long": args.long} if args.long else {}), **({"loops": True} if args.loops
-                                                                                       else {})}
+                                                                                       else {}),
+                 **({"skip": args.skip} if args.skip else {})}  # a later block of traces; the first keeps its keys
     if args.cmd == "accuracy":  # rows graded by an earlier rule are recomputed (or regraded: tools/regrade.py)
         extra = {"grading": grading(load_data(args.data))}
         # a refilled batch mixes other rows beside each problem than --no-refill's, which bf16 or int4 matmuls may
@@ -517,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "data/reasoning_traces.jsonl), the first --n of --long tokens or more; sentences' importance rows")
     p.add_argument("--loops", action="store_true", help="with --traces: keep traces that loop (tasks.is_loop), "
                    "which are left out and named by default")
+    p.add_argument("--skip", type=int, default=0, metavar="S", help="with --traces: leave out the first S traces "
+                   "that qualify and take the next --n (a study's next block: tools/seeds.py and tools/sentences.py "
+                   "pool the blocks' rows of one setting)")
     p.add_argument("--keep-refs", action="store_true", help="keep the full cache's logits under $NANOKV_HOME/refs "
                    "when the sweep is done, for a next sweep on the same traces (another --buffer, more policies); "
                    "the last one without this flag removes them")
@@ -583,11 +587,14 @@ def main(argv=None):
             jobs, job_cost = bench.jobs(args), bench.cost
             measure = lambda job: bench.measure(job, args.model)
         else:
+            if getattr(args, "skip", 0) < 0:
+                raise UsageError(f"--skip must be 0 or more (got {args.skip}): the traces to leave out before --n")
             if getattr(args, "traces", None):  # the traces' file names the rows' data
                 read_traces(args.traces)
                 args.data = args.traces
-            elif getattr(args, "loops", False):
-                raise UsageError("--loops keeps looping traces of --traces FILE: pass --traces, or drop --loops")
+            elif getattr(args, "loops", False) or getattr(args, "skip", 0):
+                flag = "--loops keeps looping traces" if args.loops else "--skip leaves out the first traces"
+                raise UsageError(f"{flag} of --traces FILE: pass --traces, or drop it")
             else:
                 load_data(args.data)  # fail on a bad file before loading the model
             args.model = local_model(args.model)  # as for bench

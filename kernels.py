@@ -93,6 +93,7 @@ class QuantWeight:
     scales: Tensor  # int8: [out]; int4: [in / GROUP, out, 2], each group's (scale, zero); dot: pack_dots, bf16
     shape: tuple  # (out, in), as the HF weight
     dense_cache: Tensor | None = None  # dense(): the matrix as the kernel sees it, [out, in], made on first use
+    codes: Tensor | None = None  # int4's codes for dense(), two a byte [out, in / 2]: a quarter of a bf16 copy
     dense_rows: int = 0  # > 0: a step of this many rows or more multiplies by dense_cache (quant.bf16_copies)
 
     @property
@@ -132,7 +133,9 @@ def linear(x: Tensor, w) -> Tensor:
 def dense(w) -> Tensor:
     """The weight w [out, in] as one dense tensor, for the few readers of a weight's entries (CriticalKV's
     ||V W_O||, the perturbation probe), in the activations' dtype: int8 is q * scale; int4's packing is torch's own,
-    so it is run through its kernel on the identity matrix, once (kept): exactly the matrix linear() multiplies by.
+    so it is run through its kernel on the identity matrix once, exactly the matrix linear() multiplies by, and its
+    codes are kept (a quarter of a bf16 copy: CriticalKV's o_proj copies were 126 MiB of the 1.5B's 2 GiB) when they
+    give that matrix back bit for bit, else the matrix itself. Each later call rebuilds it (about 5 ms a 1536 x 1536).
     note: in fp32 activations torch's int kernels are slow (vectorized for bf16 inputs only); so is that first call."""
     if isinstance(w, tuple):
         return torch.cat([dense(part) for part in w])
@@ -147,9 +150,45 @@ def dense(w) -> Tensor:
             .to(w.scales.dtype)
     if w.kind == "int8":  # cheap to redo: not kept (but by quant.bf16_copies)
         return (w.data.float() * w.scales.float()[:, None]).to(w.scales.dtype)
-    eye = torch.eye(w.shape[1], dtype=w.scales.dtype, device=w.data.device)  # [in, in]
-    w.dense_cache = w.matmul(eye).T.contiguous()  # [out, in], the layout F.linear reads fastest
-    return w.dense_cache
+    if w.codes is not None:
+        return from_codes(w.codes, w.scales)
+    out, k = w.shape
+    made = torch.empty(out, k, dtype=w.scales.dtype, device=w.data.device)  # [out, in], as F.linear reads fastest
+    codes = torch.empty(out, k // 2, dtype=torch.uint8, device=w.data.device)
+    scale, zero = w.scales.float().unbind(-1)  # [in / GROUP, out] each
+    for a in range(0, k, PIECE):  # PIECE inputs at a time: small transients, which the C heap reuses, not keeps
+        b = min(a + PIECE, k)
+        eye = torch.zeros(b - a, k, dtype=w.scales.dtype, device=w.data.device)
+        eye[:, a:b] = torch.eye(b - a, dtype=w.scales.dtype)  # the identity's rows a .. b
+        made[:, a:b] = w.matmul(eye).T  # columns a .. b of the kernel's matrix
+        g = slice(a // GROUP, b // GROUP)
+        q = (made[:, a:b].float().unflatten(1, (-1, GROUP)) - zero[g].T[..., None]) / scale[g].T[..., None] + 8
+        q = q.round().clamp(0, 15).to(torch.uint8).flatten(1)  # [out, b - a]
+        codes[:, a // 2 : b // 2] = q[:, 0::2] | q[:, 1::2] << 4
+    if torch.equal(from_codes(codes, w.scales), made):
+        w.codes = codes
+    else:  # not this kernel's arithmetic (a GPU's, another rounding): keep the matrix itself
+        w.dense_cache = made
+    return made
+
+
+PIECE = 128  # dense()'s inputs a piece: [out, 128] fp32 transients (0.75 MiB for the 1.5B's o_proj)
+
+
+def from_codes(codes: Tensor, scales: Tensor) -> Tensor:
+    """int4 codes [out, in / 2] (input 2j in the low nibble, 2j + 1 in the high) and the kernel's (scale, zero)
+    [in / GROUP, out, 2] -> the dense [out, in], (q - 8) * scale + zero as one fused multiply-add in fp32, rounded
+    once to the scales' dtype (what torch's CPU kernel computes); PIECE inputs at a time."""
+    out, k = codes.shape[0], codes.shape[1] * 2
+    made = torch.empty(out, k, dtype=scales.dtype, device=codes.device)
+    scale, zero = scales.float().unbind(-1)  # [in / GROUP, out] each
+    for a in range(0, k, PIECE):
+        b, g = min(a + PIECE, k), slice(a // GROUP, min(a + PIECE, k) // GROUP)
+        c = codes[:, a // 2 : b // 2]
+        q = (torch.stack([c & 15, c >> 4], -1).flatten(1).float() - 8).unflatten(1, (-1, GROUP))  # [out, n, GROUP]
+        made[:, a:b] = torch.addcmul(zero[g].T[..., None].expand_as(q), q, scale[g].T[..., None].expand_as(q)) \
+            .flatten(1)
+    return made
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -153,6 +153,7 @@ def bf16_copies(model) -> int:
         w = getattr(owner, attr)
         for part in w if isinstance(w, tuple) else (w,):
             part.dense_cache = dense(part).to(torch.bfloat16).contiguous()
+            part.codes = None  # dense() reads the copy from now on
             part.dense_rows = DENSE_ROWS
             made += part.dense_cache.nbytes
     return made

@@ -284,6 +284,59 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
                              "that row")
 
 
+# A study of many traces runs in blocks (eval.py fidelity --traces --skip S --n N: the traces S + 1 .. S + N), each
+# block its own rows, so that a sitting adds traces to what the last one measured. The rows of one setting pool into
+# one over every block's traces; a setting that misses a block the others have is left out of the pool, and said.
+FIDELITY_SUMS = ("kl", "top1", "nll_gap")  # per token; mean_evictions and mean_kept are per trace
+BY_TRACE = ("kl_by_trace", "trace_ids", "sentences_by_trace")
+
+
+def pool_blocks(rows: list[dict], where: dict | None = None, note=print) -> list[dict]:
+    """Fidelity rows of other models' traces (trace_ids) that share every key but n and skip -> one row per setting
+    over all their traces, in trace order: the per-trace lists joined, the sums per token weighted by tokens, the
+    means per trace by traces. Two rows holding one trace are refused in one line; a setting without every block that
+    another holds is dropped with a note (a pair needs the same traces on both sides). Other rows pass unchanged.
+    e.g. random on traces 1-8 (n 8) and 9-16 (skip 8, n 8) -> random on 16, kl weighted by each block's tokens."""
+    result = set(FIDELITY_SUMS) | set(BY_TRACE) | {"tokens", "mean_evictions", "mean_kept", "n", "skip", "row_sha"}
+    setting = lambda r: json.dumps({k: v for k, v in r.items() if k not in result}, sort_keys=True)
+    name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
+    groups, out = {}, []
+    for r in rows:
+        if r.get("task") == "fidelity" and "trace_ids" in r:
+            groups.setdefault(setting(r), []).append(r)
+        else:
+            out.append(r)
+    pooled = {}
+    for key, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.get("skip", 0))
+        for a, b in zip(rs, rs[1:]):
+            both = set(a["trace_ids"]) & set(b["trace_ids"])
+            if both:
+                raise UsageError(f"{name(a)} and {name(b)} both hold trace {sorted(both)[0]}: a trace counted twice "
+                                 "would weigh double; pass one file of each block")
+        if len(rs) == 1:
+            pooled[key] = rs[0]
+            continue
+        tokens = [r["tokens"] for r in rs]
+        # a block of unlabelled traces (Sky-T1's) has no sentences: None for each of its traces, as within a row
+        joined = {k: [x for r in rs for x in r.get(k, [None] * r["n"])] for k in BY_TRACE if any(k in r for r in rs)}
+        n = sum(r["n"] for r in rs)
+        pooled[key] = {**{k: v for k, v in rs[0].items() if k not in ("skip", "row_sha")}, **joined, "n": n,
+                       "tokens": sum(tokens),
+                       **{k: sum(r[k] * t for r, t in zip(rs, tokens)) / sum(tokens) for k in FIDELITY_SUMS},
+                       **{k: sum(r[k] * r["n"] for r in rs) / n for k in ("mean_evictions", "mean_kept")}}
+    # a pair needs the same traces on both sides: the rows of the widest cover stay (of two as wide, the commoner)
+    cover = {k: tuple(r["trace_ids"]) for k, r in pooled.items()}
+    widest = max(cover.values(), key=lambda c: (len(c), list(cover.values()).count(c)), default=())
+    for key, r in pooled.items():
+        if cover[key] == widest:
+            out.append(r)
+        else:
+            note(f"note: {r['policy']} (K {r['budget']}, r {r['buffer']}) holds {len(cover[key])} traces, not the "
+                 f"{len(widest)} that the widest rows hold: left out (run its missing blocks, eval.py fidelity --skip)")
+    return out
+
+
 # -----------------------------------------------------------------------------
 # writes that survive anything
 

@@ -1006,6 +1006,18 @@ def test_criticalkv_stage2_formula():
     torch.testing.assert_close(scores[rest], ((s + 1e-4) * direct)[rest], **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_norms_in_pieces_equal_one_pass(monkeypatch, dtype):
+    """||V_h W_O,h||_1 computed NORM_SLOTS slots at a time (a long prompt's first round: a bounded intermediate) is
+    the one-pass result bit for bit, on a slot count that the piece does not divide."""
+    g = torch.Generator().manual_seed(4)
+    values, wo = torch.randn(2, 2, 45, 8, generator=g).to(dtype), torch.randn(16, 32, generator=g).to(dtype)
+    monkeypatch.setattr(PV, "NORM_SLOTS", 1 << 20)
+    whole = PV.value_norms(values, wo)
+    monkeypatch.setattr(PV, "NORM_SLOTS", 7)
+    assert whole.shape == (2, 2, 45) and torch.equal(PV.value_norms(values, wo), whole)
+
+
 def test_vase_rows_with_their_own_reserve_score_as_alone():
     """Two rows scored together, each with its own protected prompt (so its own reserve N_v) and many exactly tied
     value ranges, get the reserve each gets alone: topk's ties break differently for another k."""
@@ -2528,6 +2540,21 @@ def test_int8_rows_and_minmax_int4_hand_worked():
     assert torch.allclose(scale, torch.full((16, 1), 0.2)) and torch.equal(offset, torch.full((16, 1), -1.0))
     back = dense(quant.int4_groups(q, scale, offset, torch.float32))
     assert back[0, 0] == -1 and abs(back[0, -1] - 2) < 1e-6 and (back - g).abs().max() <= 0.1 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_int4_keeps_its_codes_and_gives_the_kernels_matrix(dtype):
+    """dense() of an int4 weight is the matrix its kernel multiplies by (the kernel run on the identity), on every
+    call, bit for bit, in bf16 and fp32; what it keeps between calls is the codes, a byte per two inputs (a quarter of
+    a bf16 copy), not the matrix."""
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
+    qw = quant.int4_groups(*quant.minmax_groups(w), dtype)
+    eye = torch.eye(96, dtype=dtype)
+    kernel = qw.matmul(eye).T  # [48, 96]
+    for _ in range(2):  # the first call makes the codes, the second reads them
+        assert torch.equal(dense(qw), kernel)
+    assert qw.dense_cache is None and qw.codes.dtype == torch.uint8 and qw.codes.shape == (48, 48)
+    assert torch.equal(dense(qw), kernel)
 
 
 def test_linear_dispatches_on_the_weight_kind():
@@ -4641,6 +4668,46 @@ def test_fidelity_replays_labelled_traces_and_leaves_loops_out(tiny_lab, tmp_pat
     assert rows2[1]["trace_ids"] == ["loop", "real"] and rows2[1]["sentences_by_trace"][0] is None
     with pytest.raises(SystemExit, match="1 traces of --long 0 tokens or more that do not loop"):
         ev.main(argv + ["--n", "2"])
+
+
+def test_blocks_of_traces_pool_into_the_rows_of_one_run(tiny_lab, tmp_path, capsys):
+    """eval.py fidelity --traces --skip S --n N takes the traces S + 1 .. S + N; results.pool_blocks joins a study's
+    blocks into the rows that one run over all the traces gives (each trace is replayed alone, so its numbers are the
+    same); a trace held by two files is refused, and a policy that misses a block is left out and named."""
+    g = torch.Generator().manual_seed(2)
+    def trace(i):
+        text = " ".join("".join(chr(97 + int(c)) for c in torch.randint(26, (2 + k % 5,), generator=g)) + "."
+                        for k in range(60))
+        cuts = [0] + [k + 1 for k, c in enumerate(text) if c == "."]
+        return {"id": f"t{i}", "problem": f"What is {i} + 2?", "trace": text,
+                "chunks": [{"start": a, "end": b, "importance": (k % 5) / 5} for k, (a, b) in enumerate(zip(cuts,
+                                                                                                          cuts[1:]))]}
+    f = write_traces(tmp_path / "t.jsonl", [trace(i) for i in range(3)])
+    argv = ["fidelity", "--model", tiny_lab.model, "--traces", f, "--budgets", "96", "--buffer", "16"]
+    read = lambda name: json.loads((tmp_path / name).read_text())
+    ev.main(argv + ["--policies", "snapkv,random", "--n", "3", "--out", str(tmp_path / "all.json")])
+    ev.main(argv + ["--policies", "snapkv,random", "--n", "2", "--out", str(tmp_path / "a.json")])
+    ev.main(argv + ["--policies", "snapkv", "--skip", "2", "--n", "1", "--out", str(tmp_path / "b.json")])
+    b = read("b.json")
+    assert [r["trace_ids"] for r in b] == [["t2"], ["t2"]] and {r["skip"] for r in b} == {2}
+    pooled = R.pool_blocks(read("a.json") + b)
+    assert "random (K 96, r 16) holds 2 traces, not the 3" in capsys.readouterr().out  # it has no third block
+    assert {r["policy"] for r in pooled} == {"full", "snapkv"}
+    whole = {r["policy"]: r for r in read("all.json")}
+    for r in pooled:
+        w = whole[r["policy"]]
+        assert r["trace_ids"] == w["trace_ids"] and r["kl_by_trace"] == w["kl_by_trace"] and r["n"] == 3
+        assert r["sentences_by_trace"] == w["sentences_by_trace"] and r["tokens"] == w["tokens"]
+        for k in ("kl", "top1", "nll_gap", "mean_evictions", "mean_kept"):
+            assert r[k] == pytest.approx(w[k], rel=1e-12), k
+    with pytest.raises(cli.UsageError, match="both hold trace t0"):
+        R.pool_blocks(read("a.json") + read("all.json"))
+    with pytest.raises(SystemExit, match="--skip leaves out the first traces of --traces FILE"):
+        ev.main(["fidelity", "--model", tiny_lab.model, "--skip", "1", "--policies", "snapkv"])
+    with pytest.raises(SystemExit, match="--skip must be 0 or more"):
+        ev.main(argv + ["--policies", "snapkv", "--skip", "-1"])
+    with pytest.raises(SystemExit, match="not --skip 2 \\+ --n 2"):
+        ev.main(argv + ["--policies", "snapkv", "--skip", "2", "--n", "2"])
 
 
 def test_fidelity_traces_runs_every_policy(tiny_lab, tmp_path):

@@ -209,18 +209,19 @@ def read_traces(path: str) -> list[dict]:
     return rows
 
 
-def reasoning_traces(tok, path: str, n: int, min_tokens: int | None, loops: bool) -> list[dict]:
-    """The first n traces of the file with at least min_tokens tokens, read by tok: the problem as the user's turn,
-    rendered by the model's chat template, then the trace as the assistant's answer. A trace that loops
-    (tasks.is_loop) is left out and named, unless loops. Each keeps its sentences' token positions and importance."""
-    out, skipped = [], []
+def reasoning_traces(tok, path: str, n: int, min_tokens: int | None, loops: bool, skip: int = 0) -> list[dict]:
+    """The first n traces of the file with at least min_tokens tokens, after the first `skip` of them (a study's next
+    block), read by tok: the problem as the user's turn, rendered by the model's chat template, then the trace as the
+    assistant's answer. A trace that loops (tasks.is_loop) is left out and named, unless loops. Each keeps its
+    sentences' token positions and importance."""
+    out, looped = [], []
     for row in read_traces(path):
         prompt = tok.encode(tok.chat([{"role": "user", "content": row["problem"]}]))
         said = tok.encode(row["trace"])
         if min_tokens and len(said) < min_tokens:
             continue
         if not loops and is_loop(said):
-            skipped.append(row["id"])
+            looped.append(row["id"])
             continue
         P = len(prompt)
         chunks = row.get("chunks") or []
@@ -228,14 +229,14 @@ def reasoning_traces(tok, path: str, n: int, min_tokens: int | None, loops: bool
         out.append({"id": row["id"], "ids": prompt + said, "prompt_len": P, "spans": [(P, P + len(said))],
                     "sentences": [(P + a, P + b) for a, b in spans],
                     "importance": [float(c["importance"]) for c in chunks]})
-        if len(out) == n:
+        if len(out) == skip + n:
             break
-    if skipped:
-        print(f"note: {len(skipped)} looping trace(s) left out (--loops keeps them): {', '.join(skipped)}")
-    if len(out) < n:
+    if looped:
+        print(f"note: {len(looped)} looping trace(s) left out (--loops keeps them): {', '.join(looped)}")
+    if len(out) < skip + n:
         raise UsageError(f"{path} has {len(out)} traces of --long {min_tokens or 0} tokens or more that do not loop, "
-                         f"not --n {n}: lower --n or --long")
-    return out
+                         f"not --skip {skip} + --n {n}: lower --n, --skip or --long")
+    return out[skip:]
 
 
 TOP_SHARE = 0.1  # the most important sentences: the top 10 % of a trace's, by |importance|

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import PAIRED, one_setting, read_json, tool_rows  # noqa: E402
+from results import PAIRED, one_setting, pool_blocks, read_json, tool_rows  # noqa: E402
 from stats import EXACT, bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
 from tasks import is_loop  # noqa: E402
 
@@ -49,6 +49,7 @@ def rows_of(paths: list[Path], task: str, key) -> dict:
     mode, ...): files that mix two are refused in one line (results.one_setting)."""
     where = {}
     got = [r for r in tool_rows([p for p in paths if p.exists()], NEEDS, where) if r["task"] == task]
+    got = pool_blocks(got, where, note=lambda m: print(m, file=sys.stderr))  # a study's blocks of traces, as one
     one_setting(got, "the rows of one column", SETTING, where)
     rows = {}
     for r in got:

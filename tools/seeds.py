@@ -182,13 +182,14 @@ def cost_line(path: Path) -> str:
                         for p in EPI))
 
 
-def tables(d: Path, long: Path | None = None, K: int = 512, loops: bool = False) -> tuple[dict, list]:
+def tables(d: Path, long: list[Path] | None = None, K: int = 512, loops: bool = False) -> tuple[dict, list]:
     """Each paper -> its rows (comparison, paper's figure, a Cell, a (figure, verdict) pair, or None), and the
-    settings' (name, accuracy rows) for the machines and the detectable differences. long: the long-trace rows in
-    place of the study's own (e.g. eval.py fidelity --traces on public reasoning traces), at budget K."""
+    settings' (name, accuracy rows) for the machines and the detectable differences. long: the files of long-trace
+    rows in place of the study's own (e.g. eval.py fidelity --traces on public reasoning traces, one file per block of
+    traces, pooled: results.pool_blocks), at budget K."""
     gsm = accuracy_rows([d / "curve_q15.json"], by_buffer=True)  # (policy, K, protect, buffer)
     math = accuracy_rows([d / "math_q15.json"], by_buffer=True)
-    fid = fidelity_rows([long or d / "longfid_q15.json"], by_protect=True, loops=loops)  # (policy, K, r, protect)
+    fid = fidelity_rows(long or [d / "longfid_q15.json"], by_protect=True, loops=loops)  # (policy, K, r, protect)
     rows = [r for r in tool_rows([p for p in [d / "fidelity_q15.json"] if p.exists()],
                                  {"perturbation": CLAIMS_NEEDS["perturbation"]}) if r["task"] == "perturbation"]
     one_setting(rows, "the perturbation rows")
@@ -231,17 +232,19 @@ def main(argv=None):
     ap.add_argument("--study", default=str(STUDY), help="the folder of the result files (default results/study)")
     ap.add_argument("--bench", default=str(BENCH), help="eval.py bench rows for EPIKV's cost (default "
                     "results/baselines/bench_q15_int4.json)")
-    ap.add_argument("--long", default=None, metavar="FILE", help="long-trace rows in place of the study's "
-                    "longfid_q15.json: e.g. eval.py fidelity --traces on public reasoning traces (results/reasoning/)")
+    ap.add_argument("--long", default=None, nargs="+", metavar="FILE", help="long-trace rows in place of the "
+                    "study's longfid_q15.json: e.g. eval.py fidelity --traces on public reasoning traces "
+                    "(results/reasoning/); several files: blocks of one study's traces (--skip), pooled")
     ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")
     ap.add_argument("--long-budget", type=int, default=512, metavar="K", help="the long-trace cells' K (r = 64, and "
                     "K/4 for EPIKV's; default 512)")
     args = ap.parse_args(argv)
     try:
         d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
-        if args.long and not Path(args.long).is_file():
-            raise UsageError(f"--long {args.long}: no such file (the --out of eval.py fidelity --traces)")
-        papers, settings, fid = tables(d, args.long and Path(args.long), args.long_budget, args.loops)
+        missing = next((f for f in args.long or [] if not Path(f).is_file()), None)
+        if missing:
+            raise UsageError(f"--long {missing}: no such file (the --out of eval.py fidelity --traces)")
+        papers, settings, fid = tables(d, args.long and [Path(f) for f in args.long], args.long_budget, args.loops)
         cost = cost_line(Path(args.bench))
     except UsageError as e:
         sys.exit(f"error: {e}")

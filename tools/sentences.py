@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import one_setting, tool_rows  # noqa: E402
+from results import one_setting, pool_blocks, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval  # noqa: E402
 
 
@@ -62,6 +62,7 @@ def main(argv=None):
     try:
         rows = [r for r in tool_rows(args.files, {"fidelity": ("policy", "budget", "kl_by_trace")})
                 if r["task"] == "fidelity" and r["policy"] != "full"]
+        rows = pool_blocks(rows, note=lambda m: print(m, file=sys.stderr))  # a study's blocks of traces, as one
         rows = [r for r in rows if any(t and t["top"] is not None for t in r.get("sentences_by_trace") or [])]
         if not rows:
             raise UsageError("no row holds sentence measures: pass the --out of eval.py fidelity --traces on traces "

@@ -6,9 +6,12 @@
 #   bash results/reasoning/run.sh all                                           # one lane, every step in turn
 #   N=12 bash results/reasoning/run.sh A                                        # the first 12 traces only (a cut)
 #   MIN=6000 N=10 bash results/reasoning/run.sh A                               # the traces of 6,000 tokens or more
-# The traces: the first N (default 35) of MIN (default 2,000) tokens or more, in file order, none a loop. Each step
-# is one policy at one (K, r); lane A takes the odd steps, lane B the even ones, so that the two lanes read the same
-# traces and share the full cache's logits (eval.py computes each trace's once; the other lane waits for it). Every
+#   SKIP=8 N=8 bash results/reasoning/run.sh A                                  # the next block: traces 9 to 16
+# The traces: the first N (default 35) of MIN (default 2,000) tokens or more, in file order, none a loop, after the
+# first SKIP (default 0): a block of its own file, which tools/seeds.py and tools/sentences.py pool with the others
+# (a sitting adds a block to the last one's; the first block, SKIP 0, is fid_MIN_nN.json, the next fid_MIN_sSKIP_nN).
+# Each step is one policy at one (K, r); lane A takes the odd steps, lane B the even ones, so that the two lanes read
+# the same traces and share the full cache's logits (eval.py computes each trace's once; the other waits for it). Every
 # policy with its prompt protected (comparison 1's setting; a problem's turn is under 300 tokens). The int4 weights
 # through their bf16 copies (the default path on a CPU with bf16 units; the rows carry it). Every step resumes where
 # it stopped (finished traces are saved) and logs its start, end and machine to results/reasoning/run.log.
@@ -16,8 +19,9 @@
 # snapkv; VASE's sampling against CurDKV drawn once; EPIKV against H2O (r = K/4); the other baselines last.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-lane=$1 only=$2 N=${N:-35} MIN=${MIN:-2000}
+lane=$1 only=$2 N=${N:-35} MIN=${MIN:-2000} SKIP=${SKIP:-0}
 [[ "$lane" =~ ^(A|B|all)$ ]] || { echo "error: lane '$lane': pass A (odd steps), B (even steps) or all" >&2; exit 2; }
+[[ "$SKIP" =~ ^[0-9]+$ ]] || { echo "error: SKIP '$SKIP' is not a number of traces (0 or more)" >&2; exit 2; }
 for v in "$only" "$N" "$MIN"; do
   [ -z "$v" ] || [[ "$v" =~ ^[1-9][0-9]*$ ]] || { echo "error: '$v' is not a positive number (step, N, MIN)" >&2
     exit 2; }
@@ -25,7 +29,9 @@ done
 machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))") || exit 1
 log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only} ($machine): $*" >> results/reasoning/run.log; }
 OUT=results/reasoning/fid_${MIN}_n${N}.json
+[ "$SKIP" = 0 ] || OUT=results/reasoning/fid_${MIN}_s${SKIP}_n${N}.json
 RUN="python eval.py fidelity --traces data/reasoning_traces.jsonl --long $MIN --n $N --model qwen2.5-coder-1.5b"
+[ "$SKIP" = 0 ] || RUN+=" --skip $SKIP"
 RUN+=" --quant int4 --batch-size 16 --protect-prompt --keep-refs --out $OUT"  # one line in the log
 n=0
 step() {  # step POLICY K r
