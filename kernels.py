@@ -159,7 +159,7 @@ def dense(w) -> Tensor:
     for a in range(0, k, PIECE):  # PIECE inputs at a time: small transients, which the C heap reuses, not keeps
         b = min(a + PIECE, k)
         eye = torch.zeros(b - a, k, dtype=w.scales.dtype, device=w.data.device)
-        eye[:, a:b] = torch.eye(b - a, dtype=w.scales.dtype)  # the identity's rows a .. b
+        eye[:, a:b] = torch.eye(b - a, dtype=w.scales.dtype, device=w.data.device)  # the identity's rows a .. b
         made[:, a:b] = w.matmul(eye).T  # columns a .. b of the kernel's matrix
         g = slice(a // GROUP, b // GROUP)
         q = (made[:, a:b].float().unflatten(1, (-1, GROUP)) - zero[g].T[..., None]) / scale[g].T[..., None] + 8

@@ -12,7 +12,8 @@ tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machine
 one machine only; two merges at once on one machine are safe: the second finds the shards taken).
 
 Laid out top to bottom: keys (digest, model_key, labels); reading rows (checks, packed text, JSON files); the tools'
-reading and pairing (tool_rows, one_setting); writing (atomic writes, locks, Progress); shards, run_jobs and merge.
+reading and pairing (tool_rows, one_setting, pool_blocks); writing (atomic writes, locks, Progress); shards, run_jobs
+and merge.
 """
 
 import argparse
