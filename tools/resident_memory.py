@@ -9,7 +9,6 @@ goes down).
     python tools/resident_memory.py --policy criticalkv-ada     # the 1.5B in int4, K = 512, r = 64
 """
 
-import argparse
 import sys
 from pathlib import Path
 
