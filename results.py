@@ -12,7 +12,7 @@ tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machine
 one machine only; two merges at once on one machine are safe: the second finds the shards taken).
 
 Laid out top to bottom: keys (digest, model_key, labels); reading rows (checks, packed text, JSON files); the tools'
-reading and pairing (tool_rows, one_setting, pool_blocks); writing (atomic writes, locks, Progress); shards, run_jobs
+reading and pairing (tool_rows, one_setting, pool_blocks, at_least); writing (atomic writes, locks, Progress); shards, run_jobs
 and merge.
 """
 
@@ -293,12 +293,15 @@ BY_TRACE = ("kl_by_trace", "trace_ids", "sentences_by_trace")
 
 
 def pool_blocks(rows: list[dict], where: dict | None = None, note=print) -> list[dict]:
-    """Fidelity rows of other models' traces (trace_ids) that share every key but n and skip -> one row per setting
+    """Fidelity rows of other models' traces (trace_ids) that share every key but n, skip and long -> one row per setting
     over all their traces, in trace order: the per-trace lists joined, the sums per token weighted by tokens, the
     means per trace by traces. Two rows holding one trace are refused in one line; a setting without every block that
     another holds is dropped with a note (a pair needs the same traces on both sides). Other rows pass unchanged.
-    e.g. random on traces 1-8 (n 8) and 9-16 (skip 8, n 8) -> random on 16, kl weighted by each block's tokens."""
-    result = set(FIDELITY_SUMS) | set(BY_TRACE) | {"tokens", "mean_evictions", "mean_kept", "n", "skip", "row_sha"}
+    e.g. random on traces 1-8 (n 8) and 9-16 (skip 8, n 8) -> random on 16, kl weighted by each block's tokens. The
+    pooled row keeps its first block's long (the lowest)."""
+    # long and skip only select traces: a block of the longest traces (--long 6000) pools with blocks of --long 2000
+    result = set(FIDELITY_SUMS) | set(BY_TRACE) | {"tokens", "mean_evictions", "mean_kept", "n", "skip", "long",
+                                                   "row_sha"}
     setting = lambda r: json.dumps({k: v for k, v in r.items() if k not in result}, sort_keys=True)
     name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
     groups, out = {}, []
@@ -309,7 +312,7 @@ def pool_blocks(rows: list[dict], where: dict | None = None, note=print) -> list
             out.append(r)
     pooled = {}
     for key, rs in groups.items():
-        rs = sorted(rs, key=lambda r: r.get("skip", 0))
+        rs = sorted(rs, key=lambda r: (r.get("long") or 0, r.get("skip", 0)))  # one order for every policy
         for a, b in zip(rs, rs[1:]):
             both = set(a["trace_ids"]) & set(b["trace_ids"])
             if both:
@@ -335,6 +338,37 @@ def pool_blocks(rows: list[dict], where: dict | None = None, note=print) -> list
         else:
             note(f"note: {r['policy']} (K {r['budget']}, r {r['buffer']}) holds {len(cover[key])} traces, not the "
                  f"{len(widest)} that the widest rows hold: left out (run its missing blocks, eval.py fidelity --skip)")
+    return out
+
+
+def at_least(rows: list[dict], min_tokens: int, lengths: dict[str, int], sha: str, where: dict | None = None
+             ) -> list[dict]:
+    """Fidelity rows of other models' traces cut to the traces of at least min_tokens tokens: the study's longest
+    traces out of its blocks, without replaying them again. lengths: each trace's tokens (the traces file's n_tokens),
+    sha: that file's tasks.file_hash. Kept: the per-trace lists, n, and tokens recounted; dropped: the per-token sums
+    and per-trace means, which a row holds over all its traces only. Refused in one line: a row of another file, or
+    whose traces' lengths do not add up to its tokens (another tokenizer read them). Other rows pass unchanged."""
+    name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
+    out = []
+    for r in rows:
+        if r.get("task") != "fidelity" or "trace_ids" not in r:
+            out.append(r)
+            continue
+        if r.get("data_sha") != sha:
+            raise UsageError(f"{name(r)} replayed another traces file ({r.get('data')}, {r.get('data_sha')}) than the "
+                             f"one whose lengths were read ({sha}): pass that file")
+        n = [lengths.get(t) for t in r["trace_ids"]]
+        if None in n or sum(n) != r["tokens"]:
+            raise UsageError(f"{name(r)}'s traces hold {r['tokens']} tokens, not the file's n_tokens "
+                             f"({'a trace is missing' if None in n else sum(n)}): its model's tokenizer is not the one "
+                             "that counted them, so its long traces cannot be told apart here")
+        keep = [i for i, k in enumerate(n) if k >= min_tokens]
+        if not keep:
+            continue  # none of its traces is that long: its cells read 'not run'
+        cut = {k: [r[k][i] for i in keep] for k in BY_TRACE if k in r}
+        drop = set(FIDELITY_SUMS) | {"mean_evictions", "mean_kept"}
+        out.append({**{k: v for k, v in r.items() if k not in drop}, **cut, "n": len(keep),
+                    "tokens": sum(n[i] for i in keep), "long": max(min_tokens, r.get("long") or 0)})
     return out
 
 

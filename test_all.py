@@ -4714,6 +4714,61 @@ def test_blocks_of_traces_pool_into_the_rows_of_one_run(tiny_lab, tmp_path, caps
         ev.main(argv + ["--policies", "snapkv", "--skip", "2", "--n", "2"])
 
 
+def test_the_longest_traces_cut_out_of_blocks_equal_their_own_run(tiny_lab, tmp_path, capsys):
+    """results.at_least cuts a study's pooled blocks to its traces of M tokens or more: the rows that eval.py fidelity
+    --long M gives over those traces alone, without replaying them again; a block of --long M pools with blocks of
+    --long 0; a row of another file, or whose lengths do not add up to its tokens, is refused in one line; and
+    tools/seeds.py --long-min reads the cut rows."""
+    g = torch.Generator().manual_seed(3)
+    def trace(i, k):
+        text = " ".join("".join(chr(97 + int(c)) for c in torch.randint(26, (2 + j % 5,), generator=g)) + "."
+                        for j in range(k))
+        cuts = [0] + [j + 1 for j, c in enumerate(text) if c == "."]
+        return {"id": f"t{i}", "problem": f"What is {i} + 2?", "trace": text, "n_tokens": len(text),  # a char a token
+                "chunks": [{"start": a, "end": b, "importance": (j % 5) / 5} for j, (a, b) in enumerate(zip(cuts,
+                                                                                                          cuts[1:]))]}
+    rows = [trace(i, k) for i, k in enumerate((40, 90, 45, 95))]  # t1 and t3 are the long ones
+    f = write_traces(tmp_path / "t.jsonl", rows)
+    M = min(r["n_tokens"] for r in rows[1::2])
+    assert max(r["n_tokens"] for r in rows[::2]) < M
+    argv = ["fidelity", "--model", tiny_lab.model, "--traces", f, "--budgets", "96", "--buffer", "64",
+            "--policies", "snapkv,random"]
+    read = lambda name: json.loads((tmp_path / name).read_text())
+    ev.main(argv + ["--n", "2", "--out", str(tmp_path / "a.json")])
+    ev.main(argv + ["--skip", "2", "--n", "2", "--out", str(tmp_path / "b.json")])
+    ev.main(argv + ["--long", str(M), "--n", "2", "--out", str(tmp_path / "long.json")])
+    lengths, sha = {r["id"]: r["n_tokens"] for r in rows}, T.file_hash(f)
+    cut = {r["policy"]: r for r in R.at_least(R.pool_blocks(read("a.json") + read("b.json")), M, lengths, sha)}
+    for w in read("long.json"):
+        r = cut[w["policy"]]
+        assert r["trace_ids"] == w["trace_ids"] == ["t1", "t3"] and r["kl_by_trace"] == w["kl_by_trace"]
+        assert r["sentences_by_trace"] == w["sentences_by_trace"] and (r["n"], r["tokens"]) == (2, w["tokens"])
+        assert "kl" not in r and "mean_kept" not in r  # sums over all of a row's traces cannot be cut
+    ev.main(argv + ["--long", str(M), "--skip", "1", "--n", "1", "--out", str(tmp_path / "c.json")])
+    pooled = R.pool_blocks(read("a.json") + read("c.json"))
+    assert [r["trace_ids"] for r in pooled] == [["t0", "t1", "t3"]] * 3 and {r.get("long") for r in pooled} == {None}
+    with pytest.raises(cli.UsageError, match="replayed another traces file"):
+        R.at_least(read("a.json"), M, lengths, "0" * 16)
+    with pytest.raises(cli.UsageError, match="not the file's n_tokens"):
+        R.at_least(read("a.json"), M, {k: v + 1 for k, v in lengths.items()}, sha)
+    seeds = load_tool("seeds")
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "longfid_q15.json").write_text("[]")
+    study = ["--study", str(tmp_path / "study"), "--bench", str(tmp_path / "none.json")]
+    seeds.main(study + ["--long", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--long-min", str(M),
+                        "--traces", f, "--long-budget", "96"])
+    out = capsys.readouterr().out
+    d = cut["random"]["kl_by_trace"][0] - cut["snapkv"]["kl_by_trace"][0], \
+        cut["random"]["kl_by_trace"][1] - cut["snapkv"]["kl_by_trace"][1]
+    line = next(x for x in out.splitlines() if x.startswith("| random vs snapkv, traces of"))
+    assert line.startswith(f"| random vs snapkv, traces of {M:,} tokens or more, K = 96, r = 64 |")
+    low = sum(x < 0 for x in d)
+    assert f"KL random − snapkv (K = 96, r = 64)" in line and f"traces lower {low} / {2 - low}" in line
+    assert f"{sum(d) / 2:+.3f} [" in line and "(n = 2)" in line  # the two long traces, paired
+    assert "--long-min M takes a positive M and the files of --long" in one_line_exit(
+        seeds.main, study + ["--long-min", str(M)], capsys)
+
+
 def test_fidelity_traces_runs_every_policy(tiny_lab, tmp_path):
     """Every registered policy replays a labelled trace: its row holds one trace's sentence measures, the shares held
     in [0, 1] whatever the cache's layout (per-head policies pool their heads)."""

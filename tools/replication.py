@@ -29,9 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 from cli import Parser, UsageError  # noqa: E402
-from results import PAIRED, one_setting, pool_blocks, read_json, tool_rows  # noqa: E402
+from results import PAIRED, at_least, one_setting, pool_blocks, read_json, tool_rows  # noqa: E402
 from stats import EXACT, bootstrap, holm, interval, outcomes, sign_test, spread_diff  # noqa: E402
-from tasks import is_loop  # noqa: E402
+from tasks import file_hash, is_loop  # noqa: E402
+from traces import read_traces  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
@@ -43,13 +44,16 @@ NEEDS = {"accuracy": ("policy", "budget", "protect", "per_problem"), "fidelity":
                                                                                   "kl_by_trace")}
 
 
-def rows_of(paths: list[Path], task: str, key) -> dict:
+def rows_of(paths: list[Path], task: str, key, longest: tuple[int, str] | None = None) -> dict:
     """key(row) -> row for the rows of `task` in the files that exist (a full-cache row found twice once), each
     checked where it is read (results.tool_rows). The rows of one column must share their setting (model, data, n,
-    mode, ...): files that mix two are refused in one line (results.one_setting)."""
+    mode, ...): files that mix two are refused in one line (results.one_setting). longest: (M, traces file): only the
+    replayed traces of M tokens or more (results.at_least)."""
     where = {}
     got = [r for r in tool_rows([p for p in paths if p.exists()], NEEDS, where) if r["task"] == task]
     got = pool_blocks(got, where, note=lambda m: print(m, file=sys.stderr))  # a study's blocks of traces, as one
+    if longest:
+        got = at_least(got, longest[0], *trace_lengths(longest[1]), where)
     one_setting(got, "the rows of one column", SETTING, where)
     rows = {}
     for r in got:
@@ -64,13 +68,23 @@ def accuracy_rows(paths: list[Path], by_buffer: bool = False) -> dict:
                                                                                          if by_buffer else ()))
 
 
-def fidelity_rows(paths: list[Path], by_protect: bool = False, loops: bool = False) -> dict:
+def trace_lengths(path: str) -> tuple[dict[str, int], str]:
+    """Each trace's tokens (n_tokens) in a traces file (data/README.md), and the file's hash, which rows record."""
+    rows = read_traces(path)
+    if any(not isinstance(r.get("n_tokens"), int) for r in rows):
+        raise UsageError(f"{path} has a trace without n_tokens: rebuild it (python tools/reasoning_traces.py)")
+    return {r["id"]: r["n_tokens"] for r in rows}, file_hash(path)
+
+
+def fidelity_rows(paths: list[Path], by_protect: bool = False, loops: bool = False,
+                  longest: tuple[int, str] | None = None) -> dict:
     """(policy, budget, buffer) -> fidelity row; by_protect: (policy, budget, buffer, protect), so that a policy's
     protected and unprotected rows stay apart (tools/seeds.py). A long trace that loops (looping) is left out of every
     row's kl_by_trace unless loops; a row left with no trace is left out (its cells read 'not run'). The packed
-    conversations are read with loops: they hold several short answers, the loop check is for long ones."""
+    conversations are read with loops: they hold several short answers, the loop check is for long ones. longest:
+    (M, traces file): the traces of M tokens or more only (rows_of)."""
     rows = rows_of(paths, "fidelity", lambda r: (r["policy"], r["budget"], r["buffer"]) + ((r["protect"],)
-                                                                                        if by_protect else ()))
+                                                                                        if by_protect else ()), longest)
     loop = looping(paths)
     if loops or not any(loop):
         return rows

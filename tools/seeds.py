@@ -29,6 +29,7 @@ from results import one_setting, tool_rows  # noqa: E402
 from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
+TRACES = STUDY.parent.parent / "data" / "reasoning_traces.jsonl"  # whose n_tokens --long-min reads
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
 # EPIKV's "at equal cost": the decode steps of eval.py bench at one K (equal memory), the 1.5B int4 (the baselines' rows)
 BENCH = STUDY.parent / "baselines" / "bench_q15_int4.json"
@@ -182,20 +183,23 @@ def cost_line(path: Path) -> str:
                         for p in EPI))
 
 
-def tables(d: Path, long: list[Path] | None = None, K: int = 512, loops: bool = False) -> tuple[dict, list]:
+def tables(d: Path, long: list[Path] | None = None, K: int = 512, loops: bool = False,
+           longest: tuple[int, str] | None = None) -> tuple[dict, list]:
     """Each paper -> its rows (comparison, paper's figure, a Cell, a (figure, verdict) pair, or None), and the
     settings' (name, accuracy rows) for the machines and the detectable differences. long: the files of long-trace
     rows in place of the study's own (e.g. eval.py fidelity --traces on public reasoning traces, one file per block of
-    traces, pooled: results.pool_blocks), at budget K."""
+    traces, pooled: results.pool_blocks), at budget K; longest: (M, traces file), their traces of M tokens or more."""
     gsm = accuracy_rows([d / "curve_q15.json"], by_buffer=True)  # (policy, K, protect, buffer)
     math = accuracy_rows([d / "math_q15.json"], by_buffer=True)
-    fid = fidelity_rows(long or [d / "longfid_q15.json"], by_protect=True, loops=loops)  # (policy, K, r, protect)
+    fid = fidelity_rows(long or [d / "longfid_q15.json"], by_protect=True, loops=loops,
+                        longest=longest)  # (policy, K, r, protect)
     rows = [r for r in tool_rows([p for p in [d / "fidelity_q15.json"] if p.exists()],
                                  {"perturbation": CLAIMS_NEEDS["perturbation"]}) if r["task"] == "perturbation"]
     one_setting(rows, "the perturbation rows")
     per = {r["policy"]: r for r in reversed(rows) if r["budget"] == 192}
     P = lambda p, K=192, r=16: (p, K, True, r)  # a protected GSM8K row
-    G, M, L = "GSM8K, K = 192, r = 16", "MATH-500, K = 416", f"long traces, K = {K}, r = 64"
+    traces = f"traces of {longest[0]:,} tokens or more" if longest else "long traces"
+    G, M, L = "GSM8K, K = 192, r = 16", "MATH-500, K = 416", f"{traces}, K = {K}, r = 64"
     ra = []
     for b in RA:
         ra += [(f"random vs {b}, {G}", PAPER["random"], acc(gsm, P("random"), P(b), "parity", Parity)),
@@ -216,7 +220,7 @@ def tables(d: Path, long: list[Path] | None = None, K: int = 512, loops: bool = 
         (f"vase-dkv vs {b}, {G}", PAPER[b], acc(gsm, P("vase-dkv"), P(b), "above")),
         (f"vase-dkv vs {b}, {L}", PAPER[b], fid_pair(fid, "vase-dkv", b, K, 64, "below")))]
     epi = [row for b in ("h2o", "raas", "lagkv", "scissorhands") for row in (
-        (f"epikv vs {b}, long traces, K = {K}, r = {K // 4}", PAPER["h2o" if b == "h2o" else "epikv"],
+        (f"epikv vs {b}, {traces}, K = {K}, r = {K // 4}", PAPER["h2o" if b == "h2o" else "epikv"],
          fid_pair(fid, "epikv", b, K, K // 4, "below")),
         (f"epikv vs {b}, GSM8K, K = 192, r = 48", PAPER["h2o" if b == "h2o" else "epikv"],
          acc(gsm, P("epikv", 192, 48), P(b, 192, 48), "above")))]
@@ -238,13 +242,21 @@ def main(argv=None):
     ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")
     ap.add_argument("--long-budget", type=int, default=512, metavar="K", help="the long-trace cells' K (r = 64, and "
                     "K/4 for EPIKV's; default 512)")
+    ap.add_argument("--long-min", type=int, default=None, metavar="M", help="with --long: only the traces of M tokens "
+                    "or more (as eval.py fidelity --long M selects them), out of every block")
+    ap.add_argument("--traces", default=str(TRACES), metavar="FILE", help="the traces file whose n_tokens --long-min "
+                    "reads (default data/reasoning_traces.jsonl)")
     args = ap.parse_args(argv)
     try:
+        if args.long_min is not None and (not args.long or args.long_min < 1):
+            raise UsageError("--long-min M takes a positive M and the files of --long (the rows of eval.py fidelity "
+                             "--traces), whose traces it cuts to the long ones")
         d = study_folder(args.study, FILES, "the seeds'", "results/study/seeds.sh")
         missing = next((f for f in args.long or [] if not Path(f).is_file()), None)
         if missing:
             raise UsageError(f"--long {missing}: no such file (the --out of eval.py fidelity --traces)")
-        papers, settings, fid = tables(d, args.long and [Path(f) for f in args.long], args.long_budget, args.loops)
+        papers, settings, fid = tables(d, args.long and [Path(f) for f in args.long], args.long_budget, args.loops,
+                                       args.long_min and (args.long_min, args.traces))
         cost = cost_line(Path(args.bench))
     except UsageError as e:
         sys.exit(f"error: {e}")

@@ -2,7 +2,7 @@
 Do policies keep the sentences that the reasoning depends on? One line per (policy, K, r, protect) from the fidelity
 rows of `eval.py fidelity --traces` on traces with labelled sentences (Thought Anchors' counterfactual importance):
 
-    python tools/sentences.py results/reasoning/fid_k512.json [more files] [--by-layer]
+    python tools/sentences.py results/reasoning/fid_k512.json [more files] [--by-layer] [--long-min 6000]
 
 Per trace, averaged over the eviction rounds and the layers (each layer a mean over its KV heads; traces.sentence_share):
 the share of the top 10 % sentences' tokens held against the share of all trace tokens held, and Spearman's rho between
@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.py
 
 from cli import Parser, UsageError  # noqa: E402
-from results import one_setting, pool_blocks, tool_rows  # noqa: E402
+from replication import trace_lengths  # noqa: E402
+from results import at_least, one_setting, pool_blocks, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval  # noqa: E402
 
 
@@ -58,11 +60,19 @@ def main(argv=None):
     ap = Parser(description="Which sentences each policy keeps, from eval.py fidelity --traces rows.")
     ap.add_argument("files", nargs="+", metavar="FILE", help="result files of eval.py fidelity --traces")
     ap.add_argument("--by-layer", action="store_true", help="also top - all per layer")
+    ap.add_argument("--long-min", type=int, default=None, metavar="M", help="only the traces of M tokens or more")
+    ap.add_argument("--traces", default=str(Path(__file__).resolve().parent.parent / "data" / "reasoning_traces.jsonl"),
+                    metavar="FILE", help="the traces file whose n_tokens --long-min reads (default "
+                    "data/reasoning_traces.jsonl)")
     args = ap.parse_args(argv)
     try:
+        if args.long_min is not None and args.long_min < 1:
+            raise UsageError(f"--long-min {args.long_min}: pass a positive number of tokens")
         rows = [r for r in tool_rows(args.files, {"fidelity": ("policy", "budget", "kl_by_trace")})
                 if r["task"] == "fidelity" and r["policy"] != "full"]
         rows = pool_blocks(rows, note=lambda m: print(m, file=sys.stderr))  # a study's blocks of traces, as one
+        if args.long_min:
+            rows = at_least(rows, args.long_min, *trace_lengths(args.traces))
         rows = [r for r in rows if any(t and t["top"] is not None for t in r.get("sentences_by_trace") or [])]
         if not rows:
             raise UsageError("no row holds sentence measures: pass the --out of eval.py fidelity --traces on traces "

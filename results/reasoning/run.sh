@@ -7,6 +7,7 @@
 #   N=12 bash results/reasoning/run.sh A                                        # the first 12 traces only (a cut)
 #   MIN=6000 N=10 bash results/reasoning/run.sh A                               # the traces of 6,000 tokens or more
 #   SKIP=8 N=8 bash results/reasoning/run.sh A                                  # the next block: traces 9 to 16
+#   MIN=6000 SKIP=5 N=5 bash results/reasoning/run.sh A    # the longest past block 4 (tools/seeds.py --long-min 6000)
 # The traces: the first N (default 35) of MIN (default 2,000) tokens or more, in file order, none a loop, after the
 # first SKIP (default 0): a block of its own file, which tools/seeds.py and tools/sentences.py pool with the others
 # (a sitting adds a block to the last one's; the first block, SKIP 0, is fid_MIN_nN.json, the next fid_MIN_sSKIP_nN).
