@@ -12,8 +12,8 @@ tools/slurm_sweep.sh, or a shell loop runs the shards), and locks across machine
 one machine only; two merges at once on one machine are safe: the second finds the shards taken).
 
 Laid out top to bottom: keys (digest, model_key, labels); reading rows (checks, packed text, JSON files); the tools'
-reading and pairing (tool_rows, one_setting, pool_blocks, at_least); writing (atomic writes, locks, Progress); shards, run_jobs
-and merge.
+reading and pairing (tool_rows, one_setting, pool_blocks, at_least); writing (atomic writes, locks, Progress);
+shards, run_jobs and merge.
 """
 
 import argparse
@@ -293,12 +293,12 @@ BY_TRACE = ("kl_by_trace", "trace_ids", "sentences_by_trace")
 
 
 def pool_blocks(rows: list[dict], where: dict | None = None, note=print) -> list[dict]:
-    """Fidelity rows of other models' traces (trace_ids) that share every key but n, skip and long -> one row per setting
-    over all their traces, in trace order: the per-trace lists joined, the sums per token weighted by tokens, the
-    means per trace by traces. Two rows holding one trace are refused in one line; a setting without every block that
-    another holds is dropped with a note (a pair needs the same traces on both sides). Other rows pass unchanged.
-    e.g. random on traces 1-8 (n 8) and 9-16 (skip 8, n 8) -> random on 16, kl weighted by each block's tokens. The
-    pooled row keeps its first block's long (the lowest)."""
+    """Fidelity rows of other models' traces (trace_ids) that share every key but n, skip and long -> one row per
+    setting over all their traces, in trace order: the per-trace lists joined, the sums per token weighted by
+    tokens, the means per trace by traces. Two rows holding one trace are refused in one line; a setting without
+    every block that another holds is dropped with a note (a pair needs the same traces on both sides). Other rows
+    pass unchanged. e.g. random on traces 1-8 (n 8) and 9-16 (skip 8, n 8) -> random on 16, kl weighted by each
+    block's tokens. The pooled row keeps its first block's long (the lowest)."""
     # long and skip only select traces: a block of the longest traces (--long 6000) pools with blocks of --long 2000
     result = set(FIDELITY_SUMS) | set(BY_TRACE) | {"tokens", "mean_evictions", "mean_kept", "n", "skip", "long",
                                                    "row_sha"}
