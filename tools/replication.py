@@ -35,6 +35,7 @@ from tasks import file_hash, is_loop  # noqa: E402
 from traces import read_traces  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
+TRACES = STUDY.parent.parent / "data" / "reasoning_traces.jsonl"  # the shipped traces, whose n_tokens --long-min reads
 FILES = ("claims_q15.json", "claims_q15_noprotect.json", "fidelity_q15.json", "claims_q05.json", "math_q15.json",
          "longfid_q15.json", "curve_q15.json")  # what main reads of --study
 MARGIN = 0.06  # a claim of parity in accuracy holds when a is at most this far below b (as --quant's check)

@@ -23,13 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.
 
 from claims import NEEDS as CLAIMS_NEEDS  # noqa: E402
 from cli import Parser, UsageError  # noqa: E402
-from replication import (Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, loop_line, machines, settle,  # noqa: E402
-                         spread_line, study_folder)
+from replication import (TRACES, Cell, acc_cell, accuracy_rows, fidelity_rows, kl_cell, loop_line,  # noqa: E402
+                         machines, settle, spread_line, study_folder)
 from results import one_setting, tool_rows  # noqa: E402
 from stats import EXACT, holm, interval, loss_ratio, min_detectable, outcomes, sign_test  # noqa: E402
 
 STUDY = Path(__file__).resolve().parent.parent / "results" / "study"
-TRACES = STUDY.parent.parent / "data" / "reasoning_traces.jsonl"  # whose n_tokens --long-min reads
 FILES = ("curve_q15.json", "math_q15.json", "longfid_q15.json", "fidelity_q15.json")  # what main reads of --study
 # EPIKV's "at equal cost": the decode steps of eval.py bench at one K (equal memory), the 1.5B int4 (the baselines' rows)
 BENCH = STUDY.parent / "baselines" / "bench_q15_int4.json"

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: replication.py
 
 from cli import Parser, UsageError  # noqa: E402
-from replication import trace_lengths  # noqa: E402
+from replication import TRACES, trace_lengths  # noqa: E402
 from results import at_least, one_setting, pool_blocks, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval  # noqa: E402
 
@@ -61,9 +61,8 @@ def main(argv=None):
     ap.add_argument("files", nargs="+", metavar="FILE", help="result files of eval.py fidelity --traces")
     ap.add_argument("--by-layer", action="store_true", help="also top - all per layer")
     ap.add_argument("--long-min", type=int, default=None, metavar="M", help="only the traces of M tokens or more")
-    ap.add_argument("--traces", default=str(Path(__file__).resolve().parent.parent / "data" / "reasoning_traces.jsonl"),
-                    metavar="FILE", help="the traces file whose n_tokens --long-min reads (default "
-                    "data/reasoning_traces.jsonl)")
+    ap.add_argument("--traces", default=str(TRACES), metavar="FILE", help="the traces file whose n_tokens "
+                    "--long-min reads (default data/reasoning_traces.jsonl)")
     args = ap.parse_args(argv)
     try:
         if args.long_min is not None and args.long_min < 1:
