@@ -2469,6 +2469,10 @@ def test_int8_dots_kernel_matches_its_reference(bits, M, N, K):
         assert got.dtype == x.dtype and got.shape == (M, N)
         tol = 1e-5 if x.dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
         torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+    x = torch.randn(M, K).half()  # other dtypes go through fp32 in kernels.int8_dots
+    got, ref = kernels.int8_dots(x, w, sz, N, bits), kernels.int8_dots_ref(x, w, sz, N, bits)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
 # ---- quant: int8 and int4 matrices, a GGUF's 4-bit blocks, the bf16 copies, int4x8, the int kernels' row keys ----
