@@ -2475,6 +2475,19 @@ def test_int8_dots_kernel_matches_its_reference(bits, M, N, K):
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
+@pytest.mark.parametrize("argv, says", [(["--distances", "100"], "multiples of 64"), (["--distances", "4k"], "not"),
+                                        (["--rows", "0"], "at least 1"), (["--rounds", "1"], "at least 2")])
+def test_dots_prefetch_refuses_bad_input(capsys, argv, says):
+    """tools/dots_prefetch.py names a bad distance, batch or round count in one line, before it compiles anything."""
+    assert says in one_line_exit(load_tool("dots_prefetch").main, argv, capsys)
+
+
+def test_dots_prefetch_finds_the_shipped_distance():
+    """The tool rewrites the kernel's PF line: it must find it, and the distance it finds is the one compiled."""
+    tool = load_tool("dots_prefetch")
+    assert tool.shipped_distance() > 0 and f"PF = {tool.shipped_distance()};" in kernels._DOTS_CPP
+
+
 # ---- quant: int8 and int4 matrices, a GGUF's 4-bit blocks, the bf16 copies, int4x8, the int kernels' row keys ----
 
 
@@ -3619,7 +3632,8 @@ PREFIXES = [("weights.py", ["--mod", "x"]), ("tools/regrade.py", ["f.json", "--d
             ("tools/show_answers.py", ["--max-new", "5", "--model", "m", "--data", "d", "--problems", "1"]),
             ("tools/claims.py", ["f.json", "--part"]),
             ("tools/compare_configs.py", ["--on", "x"]), ("tools/compare_llamacpp.py", ["--run", "1"]),
-            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--dry"])]
+            ("tools/compare_transformers.py", ["one", "--wh", "nanokv"]), ("tools/cuda_check.py", ["--dry"]),
+            ("tools/dots_prefetch.py", ["--dist", "0"])]
 
 
 @pytest.mark.parametrize("path, argv", PREFIXES, ids=[p for p, _ in PREFIXES])
