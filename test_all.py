@@ -2475,7 +2475,7 @@ def test_int8_dots_kernel_matches_its_reference(bits, M, N, K):
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
-@pytest.mark.parametrize("argv, says", [(["--distances", "100"], "multiples of 64"), (["--distances", "4k"], "not"),
+@pytest.mark.parametrize("argv, says", [(["--distances", "100"], "multiples of 64"), (["--distances", "4k"], "4k: not"),
                                         (["--rows", "0"], "at least 1"), (["--rounds", "1"], "at least 2")])
 def test_dots_prefetch_refuses_bad_input(capsys, argv, says):
     """tools/dots_prefetch.py names a bad distance, batch or round count in one line, before it compiles anything."""
