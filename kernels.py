@@ -204,10 +204,13 @@ def from_codes(codes: Tensor, scales: Tensor) -> Tensor:
 # lane's 4 bytes the 4 consecutive inputs that vpdpbusd sums; 4-bit codes two a byte, inputs j and j + 16 of a block.
 # Scales (scale, zero) in bf16, as the int4 kernel's: [N / 16, K / 32, 2, 16]. Each thread reads its groups in
 # order, one stream, and asks for the bytes 4 KiB ahead (_mm_prefetch): at batch 1 the products then read at about
-# 0.85 of the memory roofline instead of 0.65.
+# 0.88 of the memory roofline instead of 0.70 (tools/dots_prefetch.py).
 # References: llama.cpp's ggml_vec_dot_q4_K_q8_K (ggml-cpu/arch/x86/quants.c); Intel's VNNI (vpdpbusd) guide.
 
 DOT_CENTER = {4: 8, 8: 128}  # C above: the code of a weight equal to `zero`
+# -fopenmp: at::parallel_for splits the rows over torch's own OpenMP threads (the libgomp torch has loaded)
+DOTS_FLAGS = dict(extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp"],
+                  extra_ldflags=["-fopenmp"])
 
 _DOTS_CPP = r"""
 #include <torch/extension.h>
@@ -342,10 +345,7 @@ def _dots_module():
     name = "nanokv_int8_dots"
     if not any(Path(_get_build_directory(name, False)).glob("*.so")):
         print("[kernels] compiling the int8-dot kernel, once (about a minute)", file=sys.stderr)
-    # -fopenmp: at::parallel_for splits the rows over torch's own OpenMP threads (the libgomp torch has loaded)
-    return load_inline(name, cpp_sources=_DOTS_CPP, functions=["int8_dots"],
-                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"])
+    return load_inline(name, cpp_sources=_DOTS_CPP, functions=["int8_dots"], **DOTS_FLAGS)
 
 
 def pack_dots(u: Tensor, scale: Tensor, zero: Tensor, bits: int) -> tuple[Tensor, Tensor]:

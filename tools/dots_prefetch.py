@@ -45,9 +45,7 @@ def with_distance(pf: int):
     src = re.sub(r"constexpr int64_t PF = \d+;", f"constexpr int64_t PF = {pf};", kernels._DOTS_CPP)
     if pf == 0:
         src = src.replace("_mm_prefetch(", "(void)(")  # the addresses are computed, nothing is asked for
-    return load_inline(f"nanokv_int8_dots_pf{pf}", cpp_sources=src, functions=["int8_dots"],
-                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"])
+    return load_inline(f"nanokv_int8_dots_pf{pf}", cpp_sources=src, functions=["int8_dots"], **kernels.DOTS_FLAGS)
 
 
 def main(argv=None):
