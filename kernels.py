@@ -204,7 +204,9 @@ def from_codes(codes: Tensor, scales: Tensor) -> Tensor:
 # lane's 4 bytes the 4 consecutive inputs that vpdpbusd sums; 4-bit codes two a byte, inputs j and j + 16 of a block.
 # Scales (scale, zero) in bf16, as the int4 kernel's: [N / 16, K / 32, 2, 16]. Each thread reads its groups in
 # order, one stream, and asks for the bytes 4 KiB ahead (_mm_prefetch): at batch 1 the products then read at about
-# 0.88 of the memory roofline instead of 0.70 (tools/dots_prefetch.py).
+# 0.88 of the memory roofline instead of 0.70 (tools/dots_prefetch.py). With many rows of x the arithmetic binds, so
+# a group's tiles pass once per 8 rows, whose 16 sums each stay in a register over all K (1.2-1.3x at 16-32 rows
+# against one row at a time through memory; the same numbers, bit for bit).
 # References: llama.cpp's ggml_vec_dot_q4_K_q8_K (ggml-cpu/arch/x86/quants.c); Intel's VNNI (vpdpbusd) guide.
 
 DOT_CENTER = {4: 8, 8: 128}  # C above: the code of a weight equal to `zero`
@@ -244,15 +246,66 @@ static inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32: a bf16 is
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+constexpr int ROWS = 8;  // rows of x whose sums a tile's pass keeps in registers (8 of the 32 zmm)
+
+// y[m0 .. m0 + MT, group g] for MT rows of x: per block, the 16 x 32 tile of codes unpacked once, then for each row
+// 8 vpdpbusd and the block's scaling into that row's register of 16 sums (the same operations, in the same order, as
+// one row at a time: a row's numbers do not depend on the rows beside it)
+template <int BITS, int MT>
+static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t* A, const float* D, const float* DS,
+                              int64_t g, int64_t m0, int64_t nb, int64_t K, float* Y, at::BFloat16* Yb, int64_t N) {
+  constexpr float C = BITS == 4 ? 8.f : 128.f;
+  constexpr int64_t WB = 16 * 32 * BITS / 8;  // bytes of one (16 rows, 32 inputs) tile: 256 or 512
+  constexpr int64_t PF = 4096;  // prefetch distance in bytes of weights: 16 or 8 tiles ahead
+  __m512 acc[MT];
+  for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* wb = W + (g * nb + b) * WB;
+    // in cache by the time they are needed: the tile PF bytes ahead, and its block's scales
+    for (int64_t c = 0; c < WB; c += 64) _mm_prefetch((const char*)(wb + PF + c), _MM_HINT_T0);
+    _mm_prefetch((const char*)(S + (g * nb + b + PF / WB) * 32), _MM_HINT_T0);
+    __m512i u[8];  // u[j]: 16 rows x inputs 4j .. 4j + 3 of the block, one code a byte
+    if constexpr (BITS == 4) {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+        u[j] = _mm512_and_si512(v, low);  // inputs 4j ..
+        u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // inputs 16 + 4j ..
+      }
+    } else {
+      for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512(wb + 64 * j);
+    }
+    const __m512 scale = bf16x16(S + (g * nb + b) * 32), zero = bf16x16(S + (g * nb + b) * 32 + 16);
+    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(C), scale, zero);  // o = zero - C * scale
+    for (int i = 0; i < MT; i++) {
+      const int64_t m = m0 + i;
+      const int32_t* ab = reinterpret_cast<const int32_t*>(A + m * K + b * 32);  // 4 activations a word
+      // two chains of 4 dependent vpdpbusd rather than one of 8: half the latency to wait out
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; j++) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(ab[j]));
+        s1 = _mm512_dpbusd_epi32(s1, u[j + 4], _mm512_set1_epi32(ab[j + 4]));
+      }
+      const __m512i s = _mm512_add_epi32(s0, s1);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(D[m * nb + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(DS[m * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; i++) {  // bf16: rounded to nearest even, as torch's .to(torch.bfloat16)
+    alignas(64) float r[16];
+    _mm512_store_ps(r, acc[i]);
+    for (int t = 0; t < 16; t++)
+      if (Yb) Yb[(m0 + i) * N + g * 16 + t] = at::BFloat16(r[t]); else Y[(m0 + i) * N + g * 16 + t] = r[t];
+  }
+}
+
 // y [M, N] = x [M, K] @ w.T for w packed by kernels.pack_dots: BITS 4 or 8, C the code of a weight equal to `zero`
 template <int BITS>
 torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && N % 16 == 0, "int8_dots: x [M, K] with K % 32 == 0, N % 16");
   TORCH_CHECK(w.is_contiguous() && sz.is_contiguous() && sz.scalar_type() == at::kBFloat16, "int8_dots: layout");
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32, G = N / 16;
-  constexpr float C = BITS == 4 ? 8.f : 128.f;
   constexpr int64_t WB = 16 * 32 * BITS / 8;  // bytes of one (16 rows, 32 inputs) tile: 256 or 512
-  constexpr int64_t PF = 4096;  // prefetch distance in bytes of weights: 16 or 8 tiles ahead
   TORCH_CHECK(w.numel() == G * nb * WB && sz.numel() == G * nb * 32, "int8_dots: w and scales do not match N, K");
   const bool bf = x.scalar_type() == at::kBFloat16;  // read and written as they are: no copies in fp32
   TORCH_CHECK(x.is_contiguous() && (bf || x.scalar_type() == at::kFloat), "int8_dots: x contiguous, fp32 or bf16");
@@ -268,47 +321,22 @@ torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N
   const float *D = d.data_ptr<float>(), *DS = ds.data_ptr<float>();
   float* Y = bf ? nullptr : y.data_ptr<float>();
   at::BFloat16* Yb = bf ? y.data_ptr<at::BFloat16>() : nullptr;
-  // threads split the groups of 16 output rows: each reads its own weights once, for all M rows of x
+  // threads split the groups of 16 output rows: each reads its own weights once from memory, for all M rows of x
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> acc(M * 16);  // [M, 16] fp32 sums of one group
-    for (int64_t g = g0; g < g1; g++) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* wb = W + (g * nb + b) * WB;
-        // in cache by the time they are needed: the tile PF bytes ahead, and its block's scales
-        for (int64_t c = 0; c < WB; c += 64) _mm_prefetch((const char*)(wb + PF + c), _MM_HINT_T0);
-        _mm_prefetch((const char*)(S + (g * nb + b + PF / WB) * 32), _MM_HINT_T0);
-        __m512i u[8];  // u[j]: 16 rows x inputs 4j .. 4j + 3 of the block, one code a byte
-        if constexpr (BITS == 4) {
-          const __m512i low = _mm512_set1_epi8(0x0F);
-          for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_loadu_si512(wb + 64 * j);
-            u[j] = _mm512_and_si512(v, low);  // inputs 4j ..
-            u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // inputs 16 + 4j ..
-          }
-        } else {
-          for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512(wb + 64 * j);
-        }
-        const __m512 scale = bf16x16(S + (g * nb + b) * 32), zero = bf16x16(S + (g * nb + b) * 32 + 16);
-        const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(C), scale, zero);  // o = zero - C * scale
-        for (int64_t m = 0; m < M; m++) {
-          const int32_t* ab = reinterpret_cast<const int32_t*>(A + m * K + b * 32);  // 4 activations a word
-          // two chains of 4 dependent vpdpbusd rather than one of 8: half the latency to wait out
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-          for (int j = 0; j < 4; j++) {
-            s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(ab[j]));
-            s1 = _mm512_dpbusd_epi32(s1, u[j + 4], _mm512_set1_epi32(ab[j + 4]));
-          }
-          const __m512i s = _mm512_add_epi32(s0, s1);
-          __m512 r = _mm512_loadu_ps(&acc[m * 16]);
-          r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(D[m * nb + b])), r);
-          _mm512_storeu_ps(&acc[m * 16], _mm512_fmadd_ps(off, _mm512_set1_ps(DS[m * nb + b]), r));
+    for (int64_t g = g0; g < g1; g++)
+      for (int64_t m0 = 0; m0 < M; m0 += ROWS) {  // the group's tiles again from cache for each ROWS rows of x
+        const int64_t mt = std::min<int64_t>(ROWS, M - m0);
+        switch (mt) {  // each row's sums stay in a register over all K: a tile size the compiler unrolls
+          case 1: group_rows<BITS, 1>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 2: group_rows<BITS, 2>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 3: group_rows<BITS, 3>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 4: group_rows<BITS, 4>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 5: group_rows<BITS, 5>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 6: group_rows<BITS, 6>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          case 7: group_rows<BITS, 7>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
+          default: group_rows<BITS, ROWS>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N);
         }
       }
-      for (int64_t m = 0; m < M; m++)  // bf16: rounded to nearest even, as torch's .to(torch.bfloat16)
-        for (int t = 0; t < 16; t++)
-          if (bf) Yb[m * N + g * 16 + t] = at::BFloat16(acc[m * 16 + t]); else Y[m * N + g * 16 + t] = acc[m * 16 + t];
-    }
   });
   return y;
 }

@@ -2475,6 +2475,20 @@ def test_int8_dots_kernel_matches_its_reference(bits, M, N, K):
     torch.testing.assert_close(got.float(), ref.float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
+@needs_dots
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_dots_rows_do_not_depend_on_the_rows_beside_them(bits):
+    """The kernel takes rows 8 at a time (their sums in registers) and the rest in a smaller tile: each row's numbers
+    are the same to the bit whether it is multiplied alone or among 19 (tiles of 8, 8 and 3), so a batch never moves
+    a row's greedy token."""
+    w, sz, *_ = packed(bits, 48, 160, seed=19)
+    mod = kernels._dots_module()
+    for x in (torch.randn(19, 160), torch.randn(19, 160).bfloat16()):
+        together = mod.int8_dots(x, w, sz, 48, bits)
+        alone = torch.cat([mod.int8_dots(x[i : i + 1].contiguous(), w, sz, 48, bits) for i in range(19)])
+        assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("argv, says", [(["--distances", "100"], "multiples of 64"), (["--distances", "4k"], "4k: not"),
                                         (["--rows", "0"], "at least 1"), (["--rounds", "1"], "at least 2")])
 def test_dots_prefetch_refuses_bad_input(capsys, argv, says):
