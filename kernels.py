@@ -248,9 +248,9 @@ static inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32: a bf16 is
 
 constexpr int ROWS = 8;  // rows of x whose sums a tile's pass keeps in registers (8 of the 32 zmm)
 
-// y[m0 .. m0 + MT, group g] for MT rows of x: per block, the 16 x 32 tile of codes unpacked once, then for each row
-// 8 vpdpbusd and the block's scaling into that row's register of 16 sums (the same operations, in the same order, as
-// one row at a time: a row's numbers do not depend on the rows beside it)
+// y[m0 .. m0 + MT, group g] for MT rows of x (C: the code of a weight equal to `zero`): per block, the 16 x 32 tile
+// of codes unpacked once, then for each row 8 vpdpbusd and the block's scaling into that row's register of 16 sums
+// (the same operations, in the same order, as one row at a time: a row's numbers do not depend on the rows beside it)
 template <int BITS, int MT>
 static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t* A, const float* D, const float* DS,
                               int64_t g, int64_t m0, int64_t nb, int64_t K, float* Y, at::BFloat16* Yb, int64_t N) {
@@ -299,7 +299,7 @@ static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t*
   }
 }
 
-// y [M, N] = x [M, K] @ w.T for w packed by kernels.pack_dots: BITS 4 or 8, C the code of a weight equal to `zero`
+// y [M, N] = x [M, K] @ w.T for w packed by kernels.pack_dots, BITS 4 or 8: x quantized, then group_rows
 template <int BITS>
 torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && N % 16 == 0, "int8_dots: x [M, K] with K % 32 == 0, N % 16");
