@@ -205,7 +205,7 @@ def from_codes(codes: Tensor, scales: Tensor) -> Tensor:
 # Scales (scale, zero) in bf16, as the int4 kernel's: [N / 16, K / 32, 2, 16]. Each thread reads its groups in
 # order, one stream, and asks for the bytes 4 KiB ahead (_mm_prefetch): at batch 1 the products then read at about
 # 0.88 of the memory roofline instead of 0.70 (tools/dots_prefetch.py). With many rows of x the arithmetic binds, so
-# a group's tiles pass once per 8 rows, whose 16 sums each stay in a register over all K (1.2-1.3x at 16-32 rows
+# a group's tiles pass once per 8 rows, whose 16 sums each stay in a register over all K (1.17-1.20x at 16-32 rows
 # against one row at a time through memory; the same numbers, bit for bit).
 # References: llama.cpp's ggml_vec_dot_q4_K_q8_K (ggml-cpu/arch/x86/quants.c); Intel's VNNI (vpdpbusd) guide.
 
