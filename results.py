@@ -261,13 +261,22 @@ def differs(a: dict, b: dict, keys=PAIRED) -> str | None:
     return next((k for k in keys if get(a, k) != get(b, k)), None)
 
 
+def machines_of(row: dict) -> frozenset:
+    """The machines a row's problems ran on (eval.py writes each problem's made_on, cli.made_on); empty where none
+    is recorded (fidelity rows, and rows made before 3 December 2026)."""
+    return frozenset(p["made_on"] for p in row.get("per_problem") or [] if p.get("made_on"))
+
+
 def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = None):
     """Refuse rows that a tool would pair (problem by problem, trace by trace) but that do not share a model, a mode
     (device, dtype, quant, template), a data file, an n and a kernel path: their differences would measure the
     setting, not the policy. One line, naming the field, two rows and their values; and a row without problems. what:
     e.g. 'the accuracy rows'. The one check of every tool that pairs rows (tools/claims.py, replication.py, seeds.py,
     compare_modes.py, which compares two modes and so leaves the mode and kernel path out of keys); each row's own
-    items are checked where it is read (check_row)."""
+    items are checked where it is read (check_row). Two rows that record their kernel path must also have run on one
+    machine: one path on two CPUs (an Intel Xeon and an AMD EPYC, both 'AVX512, no AMX, bf16 copies') can still part
+    at a rounding. The record's rows made before the path was recorded pair as before (RESULTS.md says which cells
+    pair machines)."""
     name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
     for r in rows:
         k = differs(rows[0], r, keys)
@@ -276,6 +285,11 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
             raise UsageError(f"{what} ran on two kernel paths: {name(rows[0])} on {path(rows[0])!r}, {name(r)} on "
                              f"{path(r)!r}; greedy decoding on two paths can part at a rounding, so a pair would "
                              "measure the machines: rerun one of them on the other's machine and mode")
+        here, there = machines_of(rows[0]), machines_of(r)
+        if not k and "kernel_path" in rows[0] and "kernel_path" in r and here and there and here != there:
+            raise UsageError(f"{what} ran on two machines: {name(rows[0])} on {' and '.join(sorted(here))}, {name(r)} "
+                             f"on {' and '.join(sorted(there))}; one kernel path on two CPUs can still part at a "
+                             "rounding, so a pair would measure the machines: rerun one of them on the other's machine")
         if k:
             raise UsageError(f"{what} do not share one setting: {name(rows[0])} has {k} {json.dumps(rows[0].get(k))}, "
                              f"{name(r)} {json.dumps(r.get(k))}; a pair compares policies on one model, mode, data "

@@ -4801,6 +4801,21 @@ def test_the_longest_traces_cut_out_of_blocks_equal_their_own_run(tiny_lab, tmp_
         seeds.main, study + ["--long-min", str(M)], capsys)
 
 
+def test_sentences_tool_says_where_the_top_sentences_sit(tmp_path):
+    """tools/sentences.py's position line, hand-worked: two traces of 100 characters in 10 sentences of 10; the top
+    10 % (one sentence, by |importance|) is the first in one trace (middle at 0.05) and, by a negative importance, the
+    ninth in the other (0.85), against 0.5 for all sentences in each; an id missing from the file is passed over."""
+    chunks = lambda top, imp: [{"start": 10 * i, "end": 10 * i + 10, "importance": imp if i == top else 0.1}
+                               for i in range(10)]
+    rows = [{"id": "a", "problem": "p", "trace": "x" * 100, "chunks": chunks(0, 2.0)},
+            {"id": "b", "problem": "p", "trace": "y" * 100, "chunks": chunks(8, -5.0)}]
+    f = write_traces(tmp_path / "t.jsonl", rows)
+    said = load_tool("sentences").where_top(["a", "b", "gone"], f)
+    assert "2 traces): 0.450 against 0.500 for all sentences, -0.050 [" in said and said.endswith("earlier on 1 of 2.")
+    said = load_tool("sentences").where_top(["a"], f)
+    assert "1 traces): 0.050 against 0.500" in said and said.endswith("earlier on 1 of 1.")
+
+
 def test_fidelity_traces_runs_every_policy(tiny_lab, tmp_path):
     """Every registered policy replays a labelled trace: its row holds one trace's sentence measures, the shares held
     in [0, 1] whatever the cache's layout (per-head policies pool their heads)."""
@@ -5985,6 +6000,27 @@ def test_tools_refuse_to_pair_two_kernel_paths_naming_both():
     assert not plot.same_problems(acc_row("full"), a)  # plot draws no interval across paths
 
 
+def test_tools_refuse_to_pair_one_kernel_path_on_two_machines():
+    """Rows that record their kernel path pair only from one machine (each problem's made_on): the same path on an
+    Intel Xeon and an AMD EPYC is refused in one line naming both machines; one machine pairs; rows made before the
+    path was recorded pair across machines as before (the record's tables, which RESULTS.md marks)."""
+    def on(policy, machine, **kw):
+        row = acc_row(policy, **kw)
+        for p in row["per_problem"]:
+            p["made_on"] = machine
+        return row
+    path = "AVX512, no AMX, bf16 copies"
+    a, b = on("full", "Intel(R) Xeon(R) Processor, AVX512", kernel_path=path), on("snapkv", "AMD EPYC, AVX512",
+                                                                                  kernel_path=path)
+    with pytest.raises(cli.UsageError) as e:
+        R.one_setting([a, b], "the accuracy rows", where={id(a): "x.json row 1", id(b): "y.json row 2"})
+    msg = str(e.value)
+    assert "\n" not in msg and "x.json row 1 on Intel(R) Xeon(R) Processor, AVX512, y.json row 2 on AMD EPYC, " \
+        "AVX512;" in msg
+    R.one_setting([a, on("snapkv", a["per_problem"][0]["made_on"], kernel_path=path)], "the accuracy rows")
+    R.one_setting([on("full", "AMD EPYC, AVX512"), on("snapkv", "Intel(R) Xeon(R) Processor, AVX512")], "the rows")
+
+
 @pytest.mark.parametrize("array, argv, says", [
     ("9", ["fidelity"], "asks for task 9, but the 2 shards are tasks 1 to 2"),
     ("0", ["fidelity"], "asks for task 0"), ("1-3", ["accuracy"], "asks for task 1-3"),
@@ -6884,6 +6920,44 @@ def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "holds none of the seeds' result files" in one_line_exit(tool.main, ["--study", str(tmp_path / "empty")],
                                                                     capsys)
+
+
+def test_reasoning_script_steps_and_epikv_window(tmp_path):
+    """results/reasoning/run.sh A N runs step N alone, whatever its lane: step 1 random at K = 512, r = 64; step 6
+    EPIKV at its window 128 = K/4; step 23 EPIKV at K = 1,024 with its authors' window min(128, K/4) = 128, not 256. A
+    stand-in `python` on PATH records each command instead of running it."""
+    here = tmp_path / "results" / "reasoning"
+    here.mkdir(parents=True)
+    (here / "run.sh").write_text(open(os.path.join(HERE, "results", "reasoning", "run.sh")).read())
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1" = -c ] && { echo CPU; exit 0; }\necho "$@" >> "$(dirname "$0")/ran"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    for step in ("1", "6", "23"):
+        subprocess.run(["bash", str(here / "run.sh"), "A", step], env=env, check=True)
+    ran = [line.split(" --policies ")[1] for line in (fake.parent / "ran").read_text().splitlines()]
+    assert ran == ["random --budgets 512 --buffer 64", "epikv --budgets 512 --buffer 128",
+                   "epikv --budgets 1024 --buffer 128"]
+
+
+def test_seeds_epikv_window_at_a_larger_budget_and_holm_on_a_verdict_against(tmp_path, capsys):
+    """At K = 1,024 the long-trace cells pair EPIKV and its baselines at EPIKV's window, min(128, K/4) = 128 (not
+    K/4 = 256); a directional verdict against the paper ("does not hold") says whether it survives Holm, as one for
+    it does."""
+    tool = load_tool("seeds")
+    G = lambda p, right: acc_row(p, right, budget=192, buffer=16)
+    (tmp_path / "curve_q15.json").write_text(json.dumps([acc_row("full", [1] * 10), G("snapkv", [1] * 10)]))
+    F = lambda p, kl, r: {"task": "fidelity", "policy": p, "budget": None if p == "full" else 1024, "buffer": r,
+                          "protect": None if p == "full" else True, "model": "m", "n": 12,
+                          "kl_by_trace": [kl * (1 + i / 12) for i in range(12)]}
+    (tmp_path / "longfid_q15.json").write_text(json.dumps(
+        [F("full", 0.0, None), F("epikv", 0.3, 128), F("h2o", 0.2, 128), F("epikv", 0.1, 256), F("h2o", 0.2, 256)]))
+    tool.main(["--study", str(tmp_path), "--long-budget", "1024"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| epikv vs h2o, long traces"))
+    assert "K = 1024, r = 128 |" in line and "KL epikv − h2o (K = 1024, r = 128) +0.1" in line  # not the r = 256 rows
+    assert line.endswith("traces lower 0 / 12, p = 0.00049 (n = 12) | **does not hold, survives Holm** |")
 
 
 def test_seeds_reads_the_baselines_bench_by_default():

@@ -218,9 +218,10 @@ def tables(d: Path, long: list[Path] | None = None, K: int = 512, loops: bool = 
     vase = [row for b in ("curdkv-fixed", "curdkv") for row in (
         (f"vase-dkv vs {b}, {G}", PAPER[b], acc(gsm, P("vase-dkv"), P(b), "above")),
         (f"vase-dkv vs {b}, {L}", PAPER[b], fid_pair(fid, "vase-dkv", b, K, 64, "below")))]
+    w = min(128, K // 4)  # EPIKV's window (its authors' default), its baselines' r
     epi = [row for b in ("h2o", "raas", "lagkv", "scissorhands") for row in (
-        (f"epikv vs {b}, {traces}, K = {K}, r = {K // 4}", PAPER["h2o" if b == "h2o" else "epikv"],
-         fid_pair(fid, "epikv", b, K, K // 4, "below")),
+        (f"epikv vs {b}, {traces}, K = {K}, r = {w}", PAPER["h2o" if b == "h2o" else "epikv"],
+         fid_pair(fid, "epikv", b, K, w, "below")),
         (f"epikv vs {b}, GSM8K, K = 192, r = 48", PAPER["h2o" if b == "h2o" else "epikv"],
          acc(gsm, P("epikv", 192, 48), P(b, 192, 48), "above")))]
     epi.append(("ThinKV", "71 % (MATH-500, K = 4096)", ("cannot be built (no public code; it mixes 2/4-bit "
@@ -240,7 +241,7 @@ def main(argv=None):
                     "(results/reasoning/); several files: blocks of one study's traces (--skip), pooled")
     ap.add_argument("--loops", action="store_true", help="keep the long traces that loop in the verdicts")
     ap.add_argument("--long-budget", type=int, default=512, metavar="K", help="the long-trace cells' K (r = 64, and "
-                    "K/4 for EPIKV's; default 512)")
+                    "min(128, K/4) for EPIKV's; default 512)")
     ap.add_argument("--long-min", type=int, default=None, metavar="M", help="with --long: only the traces of M tokens "
                     "or more (as eval.py fidelity --long M selects them), out of every block")
     ap.add_argument("--traces", default=str(TRACES), metavar="FILE", help="the traces file whose n_tokens --long-min "
@@ -266,7 +267,7 @@ def main(argv=None):
         for what, paper, c in rows:
             if isinstance(c, Cell):
                 holm_ = {True: ", survives Holm", False: ", not after Holm"}.get(survive.get(id(c)), "")
-                got, verdict = str(c), c.verdict + (holm_ if c.verdict == "holds" else "")
+                got, verdict = str(c), c.verdict + (holm_ if c.verdict in ("holds", "does not hold") else "")
             else:
                 got, verdict = c or ("not run", "not run")
             print(f"| {what} | {paper} | {got} | **{verdict}** |")

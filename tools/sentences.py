@@ -7,7 +7,8 @@ rows of `eval.py fidelity --traces` on traces with labelled sentences (Thought A
 Per trace, averaged over the eviction rounds and the layers (each layer a mean over its KV heads; traces.sentence_share):
 the share of the top 10 % sentences' tokens held against the share of all trace tokens held, and Spearman's rho between
 a sentence's |importance| and the share of it held; then the mean KL of the 32 predictions after a top sentence against
-the others (from the first eviction on). Intervals: paired bootstrap 95 % over traces (stats.bootstrap_diff).
+the others (from the first eviction on); and where the top sentences sit in their traces. Intervals: paired bootstrap
+95 % over traces (stats.bootstrap_diff).
 """
 
 import sys
@@ -20,6 +21,7 @@ from cli import Parser, UsageError  # noqa: E402
 from replication import TRACES, trace_lengths  # noqa: E402
 from results import at_least, one_setting, pool_blocks, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval  # noqa: E402
+from traces import TOP_SHARE, read_traces  # noqa: E402
 
 
 def paired(rows_of: list[dict], a: str, b: str | None) -> tuple[float, float | None, float | None, int]:
@@ -42,6 +44,28 @@ def line(row: dict) -> str:
     return (f"| {row['policy']} | {row['budget']} | {row['buffer']} | {row['protect']} | {n} | {mean('top'):.3f} | "
             f"{mean('all'):.3f} | {d:+.3f} {interval(lo, hi)} | {rho:+.3f} {interval(rlo, rhi)} | {kl} | "
             f"{k:+.4f} {interval(klo, khi, 4)} |")
+
+
+def where_top(ids: list[str], path: str) -> str:
+    """Where the top sentences sit in their traces: each sentence's middle character as a share of the trace's
+    characters, the top 10 % by |importance| (as traces.sentence_share picks them) against all sentences, paired over
+    the traces. Uniform eviction thins what came first, so a policy that does not read the content holds early
+    sentences less."""
+    traces = {r["id"]: r for r in read_traces(path)}
+    top, every = [], []
+    for t in (traces[i] for i in ids if i in traces and traces[i].get("chunks")):
+        n, ch = len(t["trace"]), t["chunks"]
+        mid = [(c["start"] + c["end"]) / 2 / n for c in ch]
+        k = max(1, round(TOP_SHARE * len(ch)))
+        best = sorted(range(len(ch)), key=lambda i: -abs(ch[i]["importance"]))[:k]
+        top.append(sum(mid[i] for i in best) / k)
+        every.append(sum(mid) / len(mid))
+    if not top:
+        return "Where the top sentences sit: no trace of the rows holds labelled sentences in " + path
+    d, lo, hi = bootstrap_diff(top, every)
+    return (f"Where the top 10 % sentences sit (each sentence's middle, as a share of its trace's characters; "
+            f"{len(top)} traces): {sum(top) / len(top):.3f} against {sum(every) / len(every):.3f} for all sentences, "
+            f"{d:+.3f} {interval(lo, hi)}, earlier on {sum(a < b for a, b in zip(top, every))} of {len(top)}.")
 
 
 def by_layer(row: dict) -> str:
@@ -83,6 +107,7 @@ def main(argv=None):
     print("| policy | K | r | protect | traces | held, top 10 % | held, all | top − all | ρ(importance, held) | "
           "KL after top / elsewhere | after − elsewhere |\n|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(map(line, rows)))
+    print("\n" + where_top(rows[0]["trace_ids"], args.traces))
     if args.by_layer:
         print("\n| policy | K | top − all, layer 0 … L-1 |\n|---|---|---|")
         print("\n".join(map(by_layer, rows)))

@@ -17,7 +17,8 @@
 # through their bf16 copies (the default path on a CPU with bf16 units; the rows carry it). Every step resumes where
 # it stopped (finished traces are saved) and logs its start, end and machine to results/reasoning/run.log.
 # Order: what matters most first, K = 512 before K = 1,024: Random Attention's parity against snapkv; CriticalKV on
-# snapkv; VASE's sampling against CurDKV drawn once; EPIKV against H2O (r = K/4); the other baselines last.
+# snapkv; VASE's sampling against CurDKV drawn once; EPIKV against H2O at EPIKV's window, r = min(128, K/4) (its
+# authors' default: 128 at K = 512 and at K = 1,024); the other baselines last.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 lane=$1 only=$2 N=${N:-35} MIN=${MIN:-2000} SKIP=${SKIP:-0}
@@ -45,8 +46,9 @@ step() {  # step POLICY K r
   [ $rc = 0 ] || { log "stopped: a failed step (rc $rc) would fail the same way in the next"; exit $rc; }
 }
 for K in 512 1024; do
+  w=$((K / 4 < 128 ? K / 4 : 128))  # EPIKV's window, and its baselines' r
   for p in random snapkv criticalkv vase-dkv curdkv-fixed; do step $p $K 64; done
-  for p in epikv h2o; do step $p $K $((K / 4)); done
+  for p in epikv h2o; do step $p $K $w; done
   for p in rkv vase triattention triattention-layer adakv criticalkv-ada curdkv; do step $p $K 64; done
-  for p in raas lagkv scissorhands; do step $p $K $((K / 4)); done
+  for p in raas lagkv scissorhands; do step $p $K $w; done
 done
