@@ -295,8 +295,8 @@ def main(argv=None):
               "the other) to reach p < 0.05")
     print(f"\nHolm's family: the {len(family)} directional comparisons of these four tables (their exact sign tests; "
           f"{sum(survive.values())} significant after the correction, alpha = 0.05). Parity cells (margin ±"
-          f"{ACC_MARGIN} in accuracy, ±{KL_MARGIN:.0%} of b's mean KL, both fixed on 5 December 2026 before these "
-          "comparisons ran), the spread, the loss ratios and the perturbation shares rest on their intervals or "
+          f"{ACC_MARGIN} in accuracy, ±{KL_MARGIN:.0%} of b's mean KL, both fixed on 5 December 2026, when the "
+          "rows of 8 cells existed already: RESULTS.md names them), the spread, the loss ratios and the perturbation shares rest on their intervals or "
           "counts and do not enter it.")
     print(f"Bootstrap intervals over {EXACT} or fewer items (the long traces) are exact: every resample enumerated "
           "with its chance, so no seed moves them. Over more, 10,000 resamples; a verdict that the Monte Carlo error of "
