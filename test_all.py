@@ -6854,27 +6854,34 @@ def test_seeds_parity_is_two_sided():
     assert near.margin == pytest.approx(0.3) and near.verdict == "holds" and far.verdict == "does not hold (a worse)"
 
 
-def test_seeds_script_runs_one_step_and_some_of_its_policies(tmp_path):
-    """results/study/seeds.sh B 4 lagkv: only lane B's fourth step runs, with lagkv in place of its four policies, and
-    its start and end are logged as "lane B step 4 lagkv" (a lane of its own for tools/lane_hours.py); without the third
-    argument the step's own policies run. A stand-in `python` on PATH records each command instead of running it."""
-    study = tmp_path / "results" / "study"
-    study.mkdir(parents=True)
-    (study / "seeds.sh").write_text(open(os.path.join(HERE, "results", "study", "seeds.sh")).read())
+def script_with_stand_in(tmp_path, *where: str):
+    """A copy of the project's script at `where` (folders, then its name) under tmp_path, and the environment of a
+    stand-in `python` on PATH that answers `python -c` with "CPU" and records every other command in the returned file."""
+    script = tmp_path.joinpath(*where)
+    script.parent.mkdir(parents=True)
+    script.write_text(open(os.path.join(HERE, *where)).read())
     fake = tmp_path / "bin" / "python"
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\n[ "$1" = -c ] && { echo CPU; exit 0; }\necho "$@" >> "$(dirname "$0")/ran"\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    run = lambda *a: subprocess.run(["bash", str(study / "seeds.sh"), *a], env=env, check=True)
+    return script, {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}, fake.parent / "ran"
+
+
+def test_seeds_script_runs_one_step_and_some_of_its_policies(tmp_path):
+    """results/study/seeds.sh B 4 lagkv: only lane B's fourth step runs, with lagkv in place of its four policies, and
+    its start and end are logged as "lane B step 4 lagkv" (a lane of its own for tools/lane_hours.py); without the third
+    argument the step's own policies run. A stand-in `python` on PATH records each command instead of running it."""
+    script, env, ran_file = script_with_stand_in(tmp_path, "results", "study", "seeds.sh")
+    study = script.parent
+    run = lambda *a: subprocess.run(["bash", str(script), *a], env=env, check=True)
     run("B", "4", "lagkv")
-    ran = (fake.parent / "ran").read_text().splitlines()
+    ran = ran_file.read_text().splitlines()
     assert len(ran) == 1 and ran[0].startswith("eval.py fidelity --policies lagkv --budgets 512 --buffer 128 ")
     log = (study / "seeds.log").read_text().splitlines()
     assert len(log) == 2 and "lane B step 4 lagkv (CPU): start python eval.py fidelity --policies lagkv " in log[0] \
         and "lane B step 4 lagkv (CPU): end (rc 0) python eval.py fidelity --policies lagkv " in log[1]
     run("B", "4")
-    assert " --policies h2o,raas,lagkv,scissorhands " in (fake.parent / "ran").read_text().splitlines()[1]
+    assert " --policies h2o,raas,lagkv,scissorhands " in ran_file.read_text().splitlines()[1]
 
 def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
     """tools/seeds.py on a synthetic study: the four tables, "not run" where rows are missing, GSM8K rows keyed by
@@ -6926,17 +6933,10 @@ def test_reasoning_script_steps_and_epikv_window(tmp_path):
     """results/reasoning/run.sh A N runs step N alone, whatever its lane: step 1 random at K = 512, r = 64; step 6
     EPIKV at its window 128 = K/4; step 23 EPIKV at K = 1,024 with its authors' window min(128, K/4) = 128, not 256. A
     stand-in `python` on PATH records each command instead of running it."""
-    here = tmp_path / "results" / "reasoning"
-    here.mkdir(parents=True)
-    (here / "run.sh").write_text(open(os.path.join(HERE, "results", "reasoning", "run.sh")).read())
-    fake = tmp_path / "bin" / "python"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\n[ "$1" = -c ] && { echo CPU; exit 0; }\necho "$@" >> "$(dirname "$0")/ran"\n')
-    fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    script, env, ran_file = script_with_stand_in(tmp_path, "results", "reasoning", "run.sh")
     for step in ("1", "6", "23"):
-        subprocess.run(["bash", str(here / "run.sh"), "A", step], env=env, check=True)
-    ran = [line.split(" --policies ")[1] for line in (fake.parent / "ran").read_text().splitlines()]
+        subprocess.run(["bash", str(script), "A", step], env=env, check=True)
+    ran = [line.split(" --policies ")[1] for line in ran_file.read_text().splitlines()]
     assert ran == ["random --budgets 512 --buffer 64", "epikv --budgets 512 --buffer 128",
                    "epikv --budgets 1024 --buffer 128"]
 
