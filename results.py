@@ -261,10 +261,20 @@ def differs(a: dict, b: dict, keys=PAIRED) -> str | None:
     return next((k for k in keys if get(a, k) != get(b, k)), None)
 
 
-def machines_of(row: dict) -> frozenset:
-    """The machines a row's problems ran on (eval.py writes each problem's made_on, cli.made_on); empty where none
-    is recorded (fidelity rows, and rows made before 3 December 2026)."""
-    return frozenset(p["made_on"] for p in row.get("per_problem") or [] if p.get("made_on"))
+def machines_of(row: dict) -> dict[int, str]:
+    """Problem -> the machine it ran on, for a row that records its kernel path (eval.py writes each problem's
+    made_on, cli.made_on); {} for the record's rows made before the path was (they pair as before; RESULTS.md says
+    which cells pair machines) and for rows without problems (fidelity rows)."""
+    if "kernel_path" not in row:
+        return {}
+    return {p["i"]: p["made_on"] for p in row.get("per_problem") or [] if p.get("made_on")}
+
+
+def other_machine(a: dict, b: dict) -> tuple[int, str, str] | None:
+    """The first problem that two rows ran on two machines, with both machines, or None: a pair is problem by problem,
+    so a row resumed across two CPUs pairs only with rows whose problems ran where its own did."""
+    ma, mb = machines_of(a), machines_of(b)
+    return next(((i, ma[i], mb[i]) for i in sorted(ma.keys() & mb.keys()) if ma[i] != mb[i]), None)
 
 
 def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = None):
@@ -273,11 +283,11 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
     setting, not the policy. One line, naming the field, two rows and their values; and a row without problems. what:
     e.g. 'the accuracy rows'. The one check of every tool that pairs rows (tools/claims.py, replication.py, seeds.py,
     compare_modes.py, which compares two modes and so leaves the mode and kernel path out of keys); each row's own
-    items are checked where it is read (check_row). Two rows that record their kernel path must also have run on one
-    machine: one path on two CPUs (an Intel Xeon and an AMD EPYC, both 'AVX512, no AMX, bf16 copies') can still part
-    at a rounding. The record's rows made before the path was recorded pair as before (RESULTS.md says which cells
-    pair machines)."""
+    items are checked where it is read (check_row). Rows that record their kernel path must also have run each problem
+    on one machine, compare_modes' two modes included: one path on two CPUs (an Intel Xeon and an AMD EPYC, both
+    'AVX512, no AMX, bf16 copies') can still part at a rounding (other_machine)."""
     name = lambda r: (where or {}).get(id(r)) or f"the {r.get('policy')} row"
+    anchor = next((r for r in rows if machines_of(r)), None)  # the first row that says where its problems ran
     for r in rows:
         k = differs(rows[0], r, keys)
         if k == "kernel_path":
@@ -285,11 +295,11 @@ def one_setting(rows: list[dict], what: str, keys=PAIRED, where: dict | None = N
             raise UsageError(f"{what} ran on two kernel paths: {name(rows[0])} on {path(rows[0])!r}, {name(r)} on "
                              f"{path(r)!r}; greedy decoding on two paths can part at a rounding, so a pair would "
                              "measure the machines: rerun one of them on the other's machine and mode")
-        here, there = machines_of(rows[0]), machines_of(r)
-        if not k and "kernel_path" in rows[0] and "kernel_path" in r and here and there and here != there:
-            raise UsageError(f"{what} ran on two machines: {name(rows[0])} on {' and '.join(sorted(here))}, {name(r)} "
-                             f"on {' and '.join(sorted(there))}; one kernel path on two CPUs can still part at a "
-                             "rounding, so a pair would measure the machines: rerun one of them on the other's machine")
+        two = None if k or anchor is None else other_machine(anchor, r)
+        if two:
+            raise UsageError(f"{what} ran on two machines: problem {two[0]} of {name(anchor)} on {two[1]}, of "
+                             f"{name(r)} on {two[2]}; one kernel path on two CPUs can still part at a rounding, so a "
+                             "pair would measure the machines: rerun one of them on the other's machine")
         if k:
             raise UsageError(f"{what} do not share one setting: {name(rows[0])} has {k} {json.dumps(rows[0].get(k))}, "
                              f"{name(r)} {json.dumps(r.get(k))}; a pair compares policies on one model, mode, data "

@@ -4813,7 +4813,7 @@ def test_sentences_tool_says_where_the_top_sentences_sit(tmp_path):
     said = load_tool("sentences").where_top(["a", "b", "gone"], f)
     assert "2 traces): 0.450 against 0.500 for all sentences, -0.050 [" in said and said.endswith("earlier on 1 of 2.")
     said = load_tool("sentences").where_top(["a"], f)
-    assert "1 traces): 0.050 against 0.500" in said and said.endswith("earlier on 1 of 1.")
+    assert "1 trace): 0.050 against 0.500" in said and said.endswith("earlier on 1 of 1.")
 
 
 def test_fidelity_traces_runs_every_policy(tiny_lab, tmp_path):
@@ -6001,24 +6001,30 @@ def test_tools_refuse_to_pair_two_kernel_paths_naming_both():
 
 
 def test_tools_refuse_to_pair_one_kernel_path_on_two_machines():
-    """Rows that record their kernel path pair only from one machine (each problem's made_on): the same path on an
-    Intel Xeon and an AMD EPYC is refused in one line naming both machines; one machine pairs; rows made before the
-    path was recorded pair across machines as before (the record's tables, which RESULTS.md marks)."""
-    def on(policy, machine, **kw):
+    """Rows that record their kernel path pair only problem by problem from one machine (each problem's made_on): the
+    same path on an Intel Xeon and an AMD EPYC is refused in one line naming the problem and both machines, whichever
+    row comes first and whether or not the first row records where it ran; a row resumed across the two pairs with one
+    whose problems ran where its own did; rows made before the path was recorded pair across machines as before."""
+    xeon, epyc, path = "Intel(R) Xeon(R) Processor, AVX512", "AMD EPYC, AVX512", "AVX512, no AMX, bf16 copies"
+    def on(policy, *machines, **kw):
         row = acc_row(policy, **kw)
-        for p in row["per_problem"]:
-            p["made_on"] = machine
+        for p, m in zip(row["per_problem"], machines):
+            p["made_on"] = m
         return row
-    path = "AVX512, no AMX, bf16 copies"
-    a, b = on("full", "Intel(R) Xeon(R) Processor, AVX512", kernel_path=path), on("snapkv", "AMD EPYC, AVX512",
-                                                                                  kernel_path=path)
+    a, b = on("full", *[xeon] * 4, kernel_path=path), on("snapkv", *[epyc] * 4, kernel_path=path)
     with pytest.raises(cli.UsageError) as e:
         R.one_setting([a, b], "the accuracy rows", where={id(a): "x.json row 1", id(b): "y.json row 2"})
     msg = str(e.value)
-    assert "\n" not in msg and "x.json row 1 on Intel(R) Xeon(R) Processor, AVX512, y.json row 2 on AMD EPYC, " \
-        "AVX512;" in msg
-    R.one_setting([a, on("snapkv", a["per_problem"][0]["made_on"], kernel_path=path)], "the accuracy rows")
-    R.one_setting([on("full", "AMD EPYC, AVX512"), on("snapkv", "Intel(R) Xeon(R) Processor, AVX512")], "the rows")
+    assert "\n" not in msg and f"problem 0 of x.json row 1 on {xeon}, of y.json row 2 on {epyc};" in msg
+    unsaid = acc_row("random", kernel_path=path)  # a progress file's row may say nothing of its machine
+    with pytest.raises(cli.UsageError, match="ran on two machines"):
+        R.one_setting([unsaid, a, b], "the accuracy rows")
+    resumed = on("vase", epyc, epyc, xeon, xeon, kernel_path=path)
+    R.one_setting([resumed, on("random", epyc, epyc, xeon, xeon, kernel_path=path)], "the accuracy rows")
+    with pytest.raises(cli.UsageError, match=r"problem 2 of the snapkv row on AMD EPYC, AVX512, of the vase row on Intel\(R\) Xeon"):
+        R.one_setting([b, resumed], "the accuracy rows")
+    R.one_setting([a, on("snapkv", *[xeon] * 4, kernel_path=path)], "the accuracy rows")
+    R.one_setting([on("full", *[epyc] * 4), on("snapkv", *[xeon] * 4)], "the rows")  # unrecorded: as before
 
 
 @pytest.mark.parametrize("array, argv, says", [

@@ -11,8 +11,8 @@ nanokv's (a - b with its paired bootstrap 95 % interval and exact sign test, too
 verdict; "not run" where a row is missing. Directional cells use replication.py's rule and form the Holm family (their
 sign tests). Parity cells ("random matches ...") use a two-sided margin fixed in advance (below) and rest on their
 interval, as do the spread, the loss ratios and the perturbation shares: none of them enters Holm. Intervals over 12 or
-fewer items (the long traces) are exact, every bootstrap resample enumerated; over more, a verdict that the bounds'
-Monte Carlo error could flip reads "on the margin" (replication.settle).
+fewer items (the 12 looping traces, a cut of 10 real ones) are exact, every bootstrap resample enumerated; over more,
+a verdict that the bounds' Monte Carlo error could flip reads "on the margin" (replication.settle).
 """
 
 import sys
@@ -296,11 +296,12 @@ def main(argv=None):
     print(f"\nHolm's family: the {len(family)} directional comparisons of these four tables (their exact sign tests; "
           f"{sum(survive.values())} significant after the correction, alpha = 0.05). Parity cells (margin ±"
           f"{ACC_MARGIN} in accuracy, ±{KL_MARGIN:.0%} of b's mean KL, both fixed on 5 December 2026, when the "
-          "rows of 8 cells existed already: RESULTS.md names them), the spread, the loss ratios and the perturbation shares rest on their intervals or "
-          "counts and do not enter it.")
-    print(f"Bootstrap intervals over {EXACT} or fewer items (the long traces) are exact: every resample enumerated "
-          "with its chance, so no seed moves them. Over more, 10,000 resamples; a verdict that the Monte Carlo error of "
-          "a bound (the 95 % band of its order statistic) could flip reads \"on the margin\".")
+          "rows of 8 cells existed already: RESULTS.md names them), the spread, the loss ratios and the perturbation "
+          "shares rest on their intervals or counts and do not enter it.")
+    print(f"Bootstrap intervals over {EXACT} or fewer items (the 12 looping traces, 10 or fewer real ones) are exact: "
+          "every resample enumerated with its chance, so no seed moves them. Over more, 10,000 resamples; a verdict "
+          "that the Monte Carlo error of a bound (the 95 % band of its order statistic) could flip reads \"on the "
+          "margin\".")
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def where_top(ids: list[str], path: str) -> str:
         return "Where the top sentences sit: no trace of the rows holds labelled sentences in " + path
     d, lo, hi = bootstrap_diff(top, every)
     return (f"Where the top 10 % sentences sit (each sentence's middle, as a share of its trace's characters; "
-            f"{len(top)} traces): {sum(top) / len(top):.3f} against {sum(every) / len(every):.3f} for all sentences, "
-            f"{d:+.3f} {interval(lo, hi)}, earlier on {sum(a < b for a, b in zip(top, every))} of {len(top)}.")
+            f"{len(top)} trace{'s' * (len(top) != 1)}): {sum(top) / len(top):.3f} against "
+            f"{sum(every) / len(every):.3f} for all sentences, {d:+.3f} {interval(lo, hi)}, earlier on "
+            f"{sum(a < b for a, b in zip(top, every))} of {len(top)}.")
 
 
 def by_layer(row: dict) -> str:
@@ -107,7 +108,8 @@ def main(argv=None):
     print("| policy | K | r | protect | traces | held, top 10 % | held, all | top − all | ρ(importance, held) | "
           "KL after top / elsewhere | after − elsewhere |\n|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(map(line, rows)))
-    print("\n" + where_top(rows[0]["trace_ids"], args.traces))
+    held = [i for i, t in zip(rows[0]["trace_ids"], rows[0]["sentences_by_trace"]) if t and t["top"] is not None]
+    print("\n" + where_top(held, args.traces))  # the traces of the table
     if args.by_layer:
         print("\n| policy | K | top − all, layer 0 … L-1 |\n|---|---|---|")
         print("\n".join(map(by_layer, rows)))
