@@ -243,6 +243,13 @@ TOP_SHARE = 0.1  # the most important sentences: the top 10 % of a trace's, by |
 AFTER = 32  # the positions after an important sentence whose KL is measured apart from the rest
 
 
+def top_sentences(importance: list[float]) -> list[int]:
+    """The indices of a trace's most important sentences: the top TOP_SHARE of them (at least one) by |importance|,
+    since a sentence whose resampling moves accuracy either way matters."""
+    imp = torch.tensor(importance).abs()
+    return imp.topk(max(1, round(TOP_SHARE * len(imp)))).indices.tolist()
+
+
 def sentence_share(run, trace: dict) -> list[dict]:
     """Watch run's evictions on a trace with labelled sentences. After each round, per layer (a mean over KV heads),
     of the trace tokens fed so far: `top`, the share of the top sentences' tokens held; `all`, the share of all of
@@ -255,7 +262,7 @@ def sentence_share(run, trace: dict) -> list[dict]:
     for s, (a, b) in enumerate(trace["sentences"]):
         sent[a:b] = s
     top = torch.zeros(n + 1, dtype=torch.bool)
-    top[imp.topk(max(1, round(TOP_SHARE * n))).indices] = True
+    top[top_sentences(trace["importance"])] = True
     is_top = top[sent]  # [T + 1] position in a top sentence
     lens = torch.bincount(sent[:T], minlength=n + 1)[:n]  # tokens per sentence
     ends = torch.tensor([b for _, b in trace["sentences"]])
@@ -292,8 +299,7 @@ def sentence_summary(trace: dict, rounds: list[dict], at: torch.Tensor, kl_at: t
         return {k: None for k in ("top", "all", "rho", "kl_after", "kl_else", "top_by_layer", "all_by_layer",
                                   "rho_by_layer")}
     per = {k: torch.tensor([r[k] for r in rounds], dtype=torch.double).nanmean(0) for k in ("top", "all", "rho")}
-    imp = torch.tensor(trace["importance"]).abs()
-    top = imp.topk(max(1, round(TOP_SHARE * len(imp)))).indices.tolist()
+    top = top_sentences(trace["importance"])
     said = at + 1  # the token each prediction is scored on
     after = torch.zeros(len(at), dtype=torch.bool)
     for s in top:

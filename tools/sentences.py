@@ -21,7 +21,7 @@ from cli import Parser, UsageError  # noqa: E402
 from replication import TRACES, trace_lengths  # noqa: E402
 from results import at_least, one_setting, pool_blocks, tool_rows  # noqa: E402
 from stats import bootstrap_diff, interval  # noqa: E402
-from traces import TOP_SHARE, read_traces  # noqa: E402
+from traces import read_traces, top_sentences  # noqa: E402
 
 
 def paired(rows_of: list[dict], a: str, b: str | None) -> tuple[float, float | None, float | None, int]:
@@ -48,7 +48,7 @@ def line(row: dict) -> str:
 
 def where_top(ids: list[str], path: str) -> str:
     """Where the top sentences sit in their traces: each sentence's middle character as a share of the trace's
-    characters, the top 10 % by |importance| (as traces.sentence_share picks them) against all sentences, paired over
+    characters, the top 10 % by |importance| (traces.top_sentences) against all sentences, paired over
     the traces. Uniform eviction thins what came first, so a policy that does not read the content holds early
     sentences less."""
     traces = {r["id"]: r for r in read_traces(path)}
@@ -56,9 +56,8 @@ def where_top(ids: list[str], path: str) -> str:
     for t in (traces[i] for i in ids if i in traces and traces[i].get("chunks")):
         n, ch = len(t["trace"]), t["chunks"]
         mid = [(c["start"] + c["end"]) / 2 / n for c in ch]
-        k = max(1, round(TOP_SHARE * len(ch)))
-        best = sorted(range(len(ch)), key=lambda i: -abs(ch[i]["importance"]))[:k]
-        top.append(sum(mid[i] for i in best) / k)
+        best = top_sentences([c["importance"] for c in ch])
+        top.append(sum(mid[i] for i in best) / len(best))
         every.append(sum(mid) / len(mid))
     if not top:
         return "Where the top sentences sit: no trace of the rows holds labelled sentences in " + path
