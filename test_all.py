@@ -6382,20 +6382,22 @@ def test_compare_modes_runs_every_mode_side_by_side(tiny_lab, tmp_path):
 
 def test_compare_modes_pairs_the_full_cache_accuracy(tmp_path, capsys):
     """compare_modes accuracy pairs the two files' full-cache rows of one setting on their problems: the difference,
-    its sign test's split and the +-0.06 check; files with no such pair are one line."""
+    its sign test's split and the +-0.06 check, each column named by its row's own mode; files with no such pair are one
+    line."""
     tool = load_tool("compare_modes")
     row = lambda right, **kw: {"task": "accuracy", "policy": "full", "data": "d.jsonl", "data_sha": "x", "n": 4,
                                "dtype": "torch.bfloat16", "accuracy": sum(right) / 4, **kw,
                                "per_problem": [{"i": i, "correct": bool(c), "answered": True, "loop": False,
                                                 "tokens": 5, "stop": "eos", "evictions": 0, "kept": 1.0, "pred": "1"}
                                                for i, c in enumerate(right)]}
-    (tmp_path / "e.json").write_text(json.dumps([row([1, 1, 0, 0])]))
-    (tmp_path / "f.json").write_text(json.dumps([row([1, 0, 0, 0], quant="int4")]))
+    (tmp_path / "e.json").write_text(json.dumps([row([1, 1, 0, 0], quant="int4")]))
+    (tmp_path / "f.json").write_text(json.dumps([row([1, 0, 0, 0], quant="int4x8", dtype="torch.float32")]))
     (tmp_path / "g.json").write_text(json.dumps([row([1, 0, 0, 0, 0], n=5)]))
     tool.main(["accuracy", "--exact", str(tmp_path / "e.json"), "--fast", str(tmp_path / "f.json"),
                "--out", str(tmp_path / "a.json")])
     (r,) = json.loads((tmp_path / "a.json").read_text())["rows"]
-    assert (r["diff"], r["fast_only"], r["fp32_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
+    assert (r["diff"], r["fast_only"], r["exact_only"], r["p"], r["passes"]) == (-0.25, 0, 1, 1.0, False)
+    assert (r["fast_mode"], r["exact_mode"]) == ("int4x8 (float32)", "int4 (bfloat16)")  # the exact row's own mode
     assert "--fast's has n 5, --exact's 4" in one_line_exit(tool.main, ["accuracy", "--exact", str(tmp_path / "e.json"),
                                                             "--fast", str(tmp_path / "g.json")], capsys)
 

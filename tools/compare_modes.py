@@ -194,9 +194,9 @@ def accuracy(args) -> list[dict]:
     items = sorted(set(oa) & set(ob))
     d, lo, hi = bootstrap_diff([oa[i] for i in items], [ob[i] for i in items])
     n10, n01, p = sign_test([oa[i] for i in items], [ob[i] for i in items])
-    mode = f"{a.get('quant') or 'none'} ({a['dtype'].replace('torch.', '')})"
-    return [{"mode": mode, "data": a["data"], "n": len(items), "fast": a["accuracy"], "fp32": b["accuracy"], "diff": d,
-             "lo": lo, "hi": hi, "fast_only": n10, "fp32_only": n01, "p": p,
+    mode = lambda r: f"{r.get('quant') or 'none'} ({r['dtype'].replace('torch.', '')})"  # e.g. int4 (bfloat16)
+    return [{"fast_mode": mode(a), "exact_mode": mode(b), "data": a["data"], "n": len(items), "fast": a["accuracy"],
+             "exact": b["accuracy"], "diff": d, "lo": lo, "hi": hi, "fast_only": n10, "exact_only": n01, "p": p,
              "passes": lo is not None and p > 0.2 and lo >= -0.06 and hi <= 0.06}]
 
 
@@ -231,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--data", default=str(DATA / "gsm8k_test.jsonl"), help="fidelity: problems")
     ap.add_argument("--problems", type=int, default=20, help="fidelity: greedy answers compared")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="fidelity: cap on each answer")
-    ap.add_argument("--exact", default=None, help="accuracy: an eval.py accuracy file of the exact fp32 path")
+    ap.add_argument("--exact", default=None, help="accuracy: an eval.py accuracy file of the mode checked against "
+                    "(fp32, the exact path, or another: its mode is named in the table)")
     ap.add_argument("--fast", default=None, help="accuracy: one of a fast mode, on the same problems")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
