@@ -6939,14 +6939,21 @@ def test_seeds_tables_from_a_study_folder(tmp_path, capsys):
 
 def test_reasoning_script_steps_and_epikv_window(tmp_path):
     """results/reasoning/run.sh A N runs step N alone, whatever its lane: step 1 random at K = 512, r = 64; step 6
-    EPIKV at its window 128 = K/4; step 23 EPIKV at K = 1,024 with its authors' window min(128, K/4) = 128, not 256. A
-    stand-in `python` on PATH records each command instead of running it."""
+    EPIKV at its window 128 = K/4; step 23 EPIKV at K = 1,024 with its authors' window min(128, K/4) = 128, not 256;
+    with DIR, the rows go to that folder (another kernel path's, apart). A stand-in `python` on PATH records each
+    command instead of running it."""
     script, env, ran_file = script_with_stand_in(tmp_path, "results", "reasoning", "run.sh")
     for step in ("1", "6", "23"):
         subprocess.run(["bash", str(script), "A", step], env=env, check=True)
-    ran = [line.split(" --policies ")[1] for line in ran_file.read_text().splitlines()]
+    subprocess.run(["bash", str(script), "A", "21"], env={**env, "DIR": "results/reasoning/amx", "SKIP": "8", "N": "8"},
+                   check=True)
+    lines = ran_file.read_text().splitlines()
+    ran = [line.split(" --policies ")[1] for line in lines]
     assert ran == ["random --budgets 512 --buffer 64", "epikv --budgets 512 --buffer 128",
-                   "epikv --budgets 1024 --buffer 128"]
+                   "epikv --budgets 1024 --buffer 128", "vase-dkv --budgets 1024 --buffer 64"]
+    assert " --out results/reasoning/fid_2000_n35.json " in lines[0]
+    assert " --skip 8 " in lines[3] and " --out results/reasoning/amx/fid_2000_s8_n8.json " in lines[3]
+    assert (script.parent / "amx").is_dir()
 
 
 def test_seeds_epikv_window_at_a_larger_budget_and_holm_on_a_verdict_against(tmp_path, capsys):

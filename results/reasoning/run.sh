@@ -8,6 +8,7 @@
 #   MIN=6000 N=10 bash results/reasoning/run.sh A                               # the traces of 6,000 tokens or more
 #   SKIP=8 N=8 bash results/reasoning/run.sh A                                  # the next block: traces 9 to 16
 #   MIN=6000 SKIP=5 N=5 bash results/reasoning/run.sh A    # the longest past block 4 (tools/seeds.py --long-min 6000)
+#   DIR=results/reasoning/amx SKIP=8 N=8 bash results/reasoning/run.sh A 21   # another kernel path's rows, apart
 # The traces: the first N (default 35) of MIN (default 2,000) tokens or more, in file order, none a loop, after the
 # first SKIP (default 0): a block of its own file, which tools/seeds.py and tools/sentences.py pool with the others
 # (a sitting adds a block to the last one's; the first block, SKIP 0, is fid_MIN_nN.json, the next fid_MIN_sSKIP_nN).
@@ -15,13 +16,15 @@
 # the same traces and share the full cache's logits (eval.py computes each trace's once; the other waits for it). Every
 # policy with its prompt protected (comparison 1's setting; a problem's turn is under 300 tokens). The int4 weights
 # through their bf16 copies (the default path on a CPU with bf16 units; the rows carry it). Every step resumes where
-# it stopped (finished traces are saved) and logs its start, end and machine to results/reasoning/run.log.
+# it stopped (finished traces are saved) and logs its start, end and machine to results/reasoning/run.log. Rows pair
+# only with rows of their own kernel path (the CPU's level, AMX or not): a machine of another path writes to a DIR of
+# its own (the rows and their full-cache references made there, a pair never across two folders).
 # Order: what matters most first, K = 512 before K = 1,024: Random Attention's parity against snapkv; CriticalKV on
 # snapkv; VASE's sampling against CurDKV drawn once; EPIKV against H2O at EPIKV's window, r = min(128, K/4) (its
 # authors' default: 128 at K = 512 and at K = 1,024); the other baselines last.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-lane=$1 only=$2 N=${N:-35} MIN=${MIN:-2000} SKIP=${SKIP:-0}
+lane=$1 only=$2 N=${N:-35} MIN=${MIN:-2000} SKIP=${SKIP:-0} DIR=${DIR:-results/reasoning}
 [[ "$lane" =~ ^(A|B|all)$ ]] || { echo "error: lane '$lane': pass A (odd steps), B (even steps) or all" >&2; exit 2; }
 [[ "$SKIP" =~ ^[0-9]+$ ]] || { echo "error: SKIP '$SKIP' is not a number of traces (0 or more)" >&2; exit 2; }
 for v in "$only" "$N" "$MIN"; do
@@ -30,8 +33,9 @@ for v in "$only" "$N" "$MIN"; do
 done
 machine=$(python -c "import cli, torch; print(cli.made_on(torch.device('cpu')))") || exit 1
 log() { echo "$(date -u +%FT%TZ) lane $lane${only:+ step $only} ($machine): $*" >> results/reasoning/run.log; }
-OUT=results/reasoning/fid_${MIN}_n${N}.json
-[ "$SKIP" = 0 ] || OUT=results/reasoning/fid_${MIN}_s${SKIP}_n${N}.json
+mkdir -p "$DIR" || exit 1
+OUT=$DIR/fid_${MIN}_n${N}.json
+[ "$SKIP" = 0 ] || OUT=$DIR/fid_${MIN}_s${SKIP}_n${N}.json
 RUN="python eval.py fidelity --traces data/reasoning_traces.jsonl --long $MIN --n $N --model qwen2.5-coder-1.5b"
 [ "$SKIP" = 0 ] || RUN+=" --skip $SKIP"
 RUN+=" --quant int4 --batch-size 16 --protect-prompt --keep-refs --out $OUT"  # one line in the log
