@@ -18,7 +18,7 @@
 # through their bf16 copies (the default path on a CPU with bf16 units; the rows carry it). Every step resumes where
 # it stopped (finished traces are saved) and logs its start, end and machine to results/reasoning/run.log. Rows pair
 # only with rows of their own kernel path (the CPU's level, AMX or not): a machine of another path writes to a DIR of
-# its own (the rows and their full-cache references made there, a pair never across two folders).
+# its own (its rows measured against full-cache references replayed on it; a pair never across two folders).
 # Order: what matters most first, K = 512 before K = 1,024: Random Attention's parity against snapkv; CriticalKV on
 # snapkv; VASE's sampling against CurDKV drawn once; EPIKV against H2O at EPIKV's window, r = min(128, K/4) (its
 # authors' default: 128 at K = 512 and at K = 1,024); the other baselines last.
