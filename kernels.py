@@ -14,6 +14,7 @@ SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
 from __future__ import annotations  # lets the kernels' tl.constexpr annotations parse without triton
 
 import functools
+import mmap
 import os
 import shutil
 import sys
@@ -202,11 +203,13 @@ def from_codes(codes: Tensor, scales: Tensor) -> Tensor:
 # 128 for int8 shifted to 0..255), so o = zero - C * scale, and only the activations' rounding is new.
 # Layout, made once at load (pack_dots): output rows in groups of 16 (one zmm of int32 sums, one lane per row), each
 # lane's 4 bytes the 4 consecutive inputs that vpdpbusd sums; 4-bit codes two a byte, inputs j and j + 16 of a block.
-# Scales (scale, zero) in bf16, as the int4 kernel's: [N / 16, K / 32, 2, 16]. Each thread reads its groups in
-# order, one stream, and asks for the bytes 4 KiB ahead (_mm_prefetch): at batch 1 the products then read at about
-# 0.88 of the memory roofline instead of 0.70 (tools/dots_prefetch.py). With many rows of x the arithmetic binds, so
-# a group's tiles pass once per 8 rows, whose 16 sums each stay in a register over all K (1.17-1.20x at 16-32 rows
-# against one row at a time through memory; the same numbers, bit for bit).
+# Scales in bf16, as the int kernels': the 4-bit blocks' (scale, zero) [N / 16, K / 32, 2, 16]; the int8 rows' one
+# scale a row [N] (symmetric: a block's sum is the integer q . a = u . a - 128 sum(a), times d, and the row's scale
+# multiplies once at the end; 1.125 bytes a weight down to 1, 0.05 GB of the 1.5B's 1.18 a step). Each thread reads
+# its groups in order, one stream, and asks for the bytes 4 KiB ahead (_mm_prefetch): at batch 1 the products then
+# read at about 0.88 of the memory roofline instead of 0.70 on an Intel Xeon (tools/dots_prefetch.py). With many rows
+# of x the arithmetic binds, so a group's tiles pass once per 8 rows, whose 16 sums each stay in a register over all
+# K (1.17-1.20x at 16-32 rows against one row at a time through memory; the same numbers, bit for bit).
 # References: llama.cpp's ggml_vec_dot_q4_K_q8_K (ggml-cpu/arch/x86/quants.c); Intel's VNNI (vpdpbusd) guide.
 
 DOT_CENTER = {4: 8, 8: 128}  # C above: the code of a weight equal to `zero`
@@ -221,9 +224,10 @@ _DOTS_CPP = r"""
 #include <cfloat>
 #include <cmath>
 
-// x [M, K] (fp32 or bf16) -> a [M, K] int8 and, per block of 32, d [M, K/32] and d * sum(a) (the offset term's)
+// x [M, K] (fp32 or bf16) -> a [M, K] int8 and, per block of 32, d [M, K/32], d * sum(a) (the offset term's) and
+// sum(a) itself (the int8 rows' centre, subtracted as an integer)
 template <typename T>
-static void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float* dsum) {
+static void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d, float* dsum, int32_t* isum) {
   const int64_t nb = K / 32;
   for (int64_t i = 0; i < M * nb; i++) {
     float xb[32];  // blocks run along each row: block i of the [M * nb] blocks
@@ -239,6 +243,7 @@ static void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* d,
     }
     d[i] = s;
     dsum[i] = s * (float)sum;
+    isum[i] = sum;
   }
 }
 
@@ -253,8 +258,8 @@ constexpr int ROWS = 8;  // rows of x whose sums a tile's pass keeps in register
 // (the same operations, in the same order, as one row at a time: a row's numbers do not depend on the rows beside it)
 template <int BITS, int MT>
 static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t* A, const float* D, const float* DS,
-                              int64_t g, int64_t m0, int64_t nb, int64_t K, float* Y, at::BFloat16* Yb, int64_t N) {
-  constexpr float C = BITS == 4 ? 8.f : 128.f;
+                              const int32_t* IS, int64_t g, int64_t m0, int64_t nb, int64_t K, float* Y,
+                              at::BFloat16* Yb, int64_t N) {
   constexpr int64_t WB = 16 * 32 * BITS / 8;  // bytes of one (16 rows, 32 inputs) tile: 256 or 512
   constexpr int64_t PF = 4096;  // prefetch distance in bytes of weights: 16 or 8 tiles ahead
   __m512 acc[MT];
@@ -263,7 +268,7 @@ static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t*
     const uint8_t* wb = W + (g * nb + b) * WB;
     // in cache by the time they are needed: the tile PF bytes ahead, and its block's scales
     for (int64_t c = 0; c < WB; c += 64) _mm_prefetch((const char*)(wb + PF + c), _MM_HINT_T0);
-    _mm_prefetch((const char*)(S + (g * nb + b + PF / WB) * 32), _MM_HINT_T0);
+    if constexpr (BITS == 4) _mm_prefetch((const char*)(S + (g * nb + b + PF / WB) * 32), _MM_HINT_T0);
     __m512i u[8];  // u[j]: 16 rows x inputs 4j .. 4j + 3 of the block, one code a byte
     if constexpr (BITS == 4) {
       const __m512i low = _mm512_set1_epi8(0x0F);
@@ -275,8 +280,6 @@ static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t*
     } else {
       for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512(wb + 64 * j);
     }
-    const __m512 scale = bf16x16(S + (g * nb + b) * 32), zero = bf16x16(S + (g * nb + b) * 32 + 16);
-    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(C), scale, zero);  // o = zero - C * scale
     for (int i = 0; i < MT; i++) {
       const int64_t m = m0 + i;
       const int32_t* ab = reinterpret_cast<const int32_t*>(A + m * K + b * 32);  // 4 activations a word
@@ -287,11 +290,19 @@ static inline void group_rows(const uint8_t* W, const uint16_t* S, const int8_t*
         s1 = _mm512_dpbusd_epi32(s1, u[j + 4], _mm512_set1_epi32(ab[j + 4]));
       }
       const __m512i s = _mm512_add_epi32(s0, s1);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(D[m * nb + b])), acc[i]);
-      acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(DS[m * nb + b]), acc[i]);
+      if constexpr (BITS == 4) {  // per block: s * scale * d + (zero - 8 scale) * d * sum(a)
+        const __m512 scale = bf16x16(S + (g * nb + b) * 32), zero = bf16x16(S + (g * nb + b) * 32 + 16);
+        const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // o = zero - C * scale
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(D[m * nb + b])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(DS[m * nb + b]), acc[i]);
+      } else {  // per block: (u . a - 128 sum(a)) * d, exact in int32 (|q . a| < 2^19), the row's scale after
+        const __m512i q = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * IS[m * nb + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(D[m * nb + b]), acc[i]);
+      }
     }
   }
   for (int i = 0; i < MT; i++) {  // bf16: rounded to nearest even, as torch's .to(torch.bfloat16)
+    if constexpr (BITS == 8) acc[i] = _mm512_mul_ps(acc[i], bf16x16(S + g * 16));
     alignas(64) float r[16];
     _mm512_store_ps(r, acc[i]);
     for (int t = 0; t < 16; t++)
@@ -306,14 +317,17 @@ torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N
   TORCH_CHECK(w.is_contiguous() && sz.is_contiguous() && sz.scalar_type() == at::kBFloat16, "int8_dots: layout");
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32, G = N / 16;
   constexpr int64_t WB = 16 * 32 * BITS / 8;  // bytes of one (16 rows, 32 inputs) tile: 256 or 512
-  TORCH_CHECK(w.numel() == G * nb * WB && sz.numel() == G * nb * 32, "int8_dots: w and scales do not match N, K");
+  TORCH_CHECK(w.numel() == G * nb * WB && sz.numel() == (BITS == 4 ? G * nb * 32 : N),
+              "int8_dots: w and scales do not match N, K");
   const bool bf = x.scalar_type() == at::kBFloat16;  // read and written as they are: no copies in fp32
   TORCH_CHECK(x.is_contiguous() && (bf || x.scalar_type() == at::kFloat), "int8_dots: x contiguous, fp32 or bf16");
   auto a = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto d = torch::empty({M, nb}, x.options().dtype(at::kFloat)), ds = torch::empty_like(d);
+  auto is = torch::empty({M, nb}, x.options().dtype(at::kInt));
   int8_t* qa = a.data_ptr<int8_t>();
-  if (bf) quantize_rows(x.data_ptr<at::BFloat16>(), M, K, qa, d.data_ptr<float>(), ds.data_ptr<float>());
-  else quantize_rows(x.data_ptr<float>(), M, K, qa, d.data_ptr<float>(), ds.data_ptr<float>());
+  int32_t* IS = is.data_ptr<int32_t>();
+  if (bf) quantize_rows(x.data_ptr<at::BFloat16>(), M, K, qa, d.data_ptr<float>(), ds.data_ptr<float>(), IS);
+  else quantize_rows(x.data_ptr<float>(), M, K, qa, d.data_ptr<float>(), ds.data_ptr<float>(), IS);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* W = w.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
@@ -327,14 +341,14 @@ torch::Tensor dots(torch::Tensor x, torch::Tensor w, torch::Tensor sz, int64_t N
       for (int64_t m0 = 0; m0 < M; m0 += ROWS) {  // the group's tiles again from cache for each ROWS rows of x
         const int64_t mt = std::min<int64_t>(ROWS, M - m0);
         switch (mt) {  // each row's sums stay in a register over all K: a tile size the compiler unrolls
-          case 1: group_rows<BITS, 1>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 2: group_rows<BITS, 2>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 3: group_rows<BITS, 3>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 4: group_rows<BITS, 4>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 5: group_rows<BITS, 5>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 6: group_rows<BITS, 6>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          case 7: group_rows<BITS, 7>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N); break;
-          default: group_rows<BITS, ROWS>(W, S, A, D, DS, g, m0, nb, K, Y, Yb, N);
+          case 1: group_rows<BITS, 1>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 2: group_rows<BITS, 2>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 3: group_rows<BITS, 3>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 4: group_rows<BITS, 4>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 5: group_rows<BITS, 5>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 6: group_rows<BITS, 6>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          case 7: group_rows<BITS, 7>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N); break;
+          default: group_rows<BITS, ROWS>(W, S, A, D, DS, IS, g, m0, nb, K, Y, Yb, N);
         }
       }
   });
@@ -376,31 +390,61 @@ def _dots_module():
     return load_inline(name, cpp_sources=_DOTS_CPP, functions=["int8_dots"], **DOTS_FLAGS)
 
 
-def pack_dots(u: Tensor, scale: Tensor, zero: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """Codes u [N, K] (0..15 for bits 4, 0..255 for 8) with w = (u - DOT_CENTER) * scale + zero per group of 32
-    ([N, K / 32] each) -> int8_dots' (w, scales): uint8 [N / 16, K / 32, bits, 16, 4] (a byte per code at 8 bits; at
-    4, the byte of inputs 4j + t holds input 16 + 4j + t in its high nibble) and bf16 [N / 16, K / 32, 2, 16]."""
+def pack_dots(u: Tensor, scale: Tensor, zero: Tensor | None, bits: int) -> tuple[Tensor, Tensor]:
+    """Codes u [N, K] -> int8_dots' (w, scales). bits 4: u in 0..15, w = (u - 8) * scale + zero per group of 32
+    (scale, zero [N, K / 32]); bits 8: u in 0..255, w = (u - 128) * scale, one scale a row (scale [N], zero None).
+    w: uint8 [N / 16, K / 32, bits, 16, 4] (a byte per code at 8 bits; at 4, the byte of inputs 4j + t holds input
+    16 + 4j + t in its high nibble); scales: bf16 [N / 16, K / 32, 2, 16] at 4 bits, [N] at 8."""
     N, K = u.shape
     G, nb = N // 16, K // GROUP
-    if bits == 4:
-        t = u.view(G, 16, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [G, nb, j, n, t, half]: half 1 is inputs 16 ..
-        w = t[..., 0] | t[..., 1] << 4
-    else:
+    if bits == 8:
         w = u.view(G, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, j, n, t]
+        return w.to(torch.uint8).contiguous().flatten(), scale.to(torch.bfloat16).contiguous()
+    t = u.view(G, 16, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [G, nb, j, n, t, half]: half 1 is inputs 16 ..
     sz = torch.stack([scale, zero], -1).view(G, 16, nb, 2).permute(0, 2, 3, 1)  # [G, nb, 2, 16]
-    return w.to(torch.uint8).contiguous().flatten(), sz.to(torch.bfloat16).contiguous()
+    return (t[..., 0] | t[..., 1] << 4).to(torch.uint8).contiguous().flatten(), sz.to(torch.bfloat16).contiguous()
 
 
 def unpack_dots(w: Tensor, sz: Tensor, n: int, k: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:
-    """pack_dots undone: codes u [n, k] uint8, and scale, zero [n, k / 32] fp32."""
+    """pack_dots undone: codes u [n, k] uint8, and scale, zero [n, k / 32] fp32 (at 8 bits the row's scale in every
+    group, and zero 0)."""
     G, nb = n // 16, k // GROUP
-    if bits == 4:
-        t = w.view(G, nb, 4, 16, 4)
-        u = torch.stack([t & 15, t >> 4], -1).permute(0, 3, 1, 5, 2, 4)  # [G, n, nb, half, j, t]
-    else:
+    if bits == 8:
         u = w.view(G, nb, 8, 16, 4).permute(0, 3, 1, 2, 4)  # [G, n, nb, j, t]
+        scale = sz.float()[:, None].expand(n, nb)
+        return u.reshape(n, k), scale, torch.zeros_like(scale)
+    t = w.view(G, nb, 4, 16, 4)
+    u = torch.stack([t & 15, t >> 4], -1).permute(0, 3, 1, 5, 2, 4)  # [G, n, nb, half, j, t]
     s = sz.view(G, nb, 2, 16).permute(0, 3, 1, 2).reshape(n, nb, 2).float()
     return u.reshape(n, k), s[..., 0], s[..., 1]
+
+
+def on_huge_pages(weights: list[QuantWeight]) -> bool:
+    """Move the weights' packed codes and scales into one buffer that Linux is asked to back with 2 MiB pages
+    (madvise MADV_HUGEPAGE, honoured where /sys/kernel/mm/transparent_hugepage/enabled says madvise or always), one
+    tensor at a time, so memory never holds two copies of more than one. Why: a batch-1 step streams every matrix
+    once (the 1.5B's 1.13 GB); in 4 KiB pages that is 275,000 TLB misses a step, and the CPU's prefetchers stop at
+    each page's end. On an AMD EPYC the products took 1.08x less time (tools/dots_prefetch.py --pages). The same
+    bytes, so the same numbers. Returns whether the advice was taken (elsewhere the buffer has ordinary pages)."""
+    parts = [t for w in weights for t in (w.data, w.scales)]
+    sizes = [-(-t.nbytes // 64) * 64 for t in parts]  # each tensor starts on a cache line
+    # private and anonymous (no memory until written): a shared mapping would be shmem, whose huge pages are off
+    buf = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advised = hasattr(mmap, "MADV_HUGEPAGE")  # Linux only
+    if advised:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            advised = False
+    arena, at = torch.frombuffer(buf, dtype=torch.uint8), 0  # the tensor keeps buf alive
+    for w in weights:
+        for name in ("data", "scales"):
+            t = getattr(w, name)
+            moved = arena[at : at + t.nbytes].view(t.dtype).view(t.shape)
+            moved.copy_(t)
+            setattr(w, name, moved)  # the old tensor is freed here
+            at += -(-t.nbytes // 64) * 64
+    return advised
 
 
 def int8_dots_ref(x: Tensor, w: Tensor, sz: Tensor, n: int, bits: int) -> Tensor:

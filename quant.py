@@ -23,7 +23,7 @@ KV cache.
 import torch
 from torch import Tensor
 
-from kernels import DENSE_ROWS, GROUP, QuantWeight, dense, pack_dots
+from kernels import DENSE_ROWS, GROUP, QuantWeight, dense, on_huge_pages, pack_dots
 from weights import INT4_TYPES  # the format weights.py writes (numpy only: no cycle)
 
 INT4_MODES = ("int4", "int4x8")  # --quant's modes that run the 4-bit blocks
@@ -76,12 +76,11 @@ def int4_dots(q: Tensor, scale: Tensor, offset: Tensor) -> QuantWeight:
 
 def int8_dots_of(m: QuantWeight) -> QuantWeight:
     """An int8 QuantWeight's numbers in int8_dots' form: codes q + 128 in 0..255 (VNNI multiplies unsigned by signed
-    bytes), its row's scale for every group; a shape the kernel's tiles do not fit keeps torch's int8 kernel."""
+    bytes), its row's scale (bf16 already: exact); a shape the kernel's tiles do not fit keeps torch's int8 kernel."""
     out, inp = m.shape
     if out % 16 or inp % GROUP:
         return m
-    scale = m.scales.float()[:, None].expand(out, inp // GROUP)  # bf16 already: exact
-    w, sz = pack_dots((m.data.to(torch.int16) + 128).to(torch.uint8), scale, torch.zeros_like(scale), 8)
+    w, sz = pack_dots((m.data.to(torch.int16) + 128).to(torch.uint8), m.scales, None, 8)
     return QuantWeight("dot8", w, sz, m.shape)
 
 
@@ -141,6 +140,10 @@ def quantize(model, quant: str, ckpt):
                 for kind, items in runs]
         owner._parameters.pop(attr, None)  # a Linear's weight was a Parameter: a plain attribute from now on
         setattr(owner, attr, made[0] if len(made) == 1 else tuple(made))
+    if quant == "int4x8":  # the kernel streams them once a step: 2 MiB pages where Linux gives them (kernels.py)
+        on_huge_pages([p for o, a, _ in model.matrices() for p in
+                       (getattr(o, a) if isinstance(getattr(o, a), tuple) else (getattr(o, a),))
+                       if p.kind in ("dot4", "dot8")])
 
 
 def bf16_copies(model) -> int:

@@ -2420,9 +2420,13 @@ needs_dots = pytest.mark.skipif(kernels.dots_missing() is not None and not (
 
 
 def packed(bits: int, N: int, K: int, seed: int = 0):
-    """Random codes, scales and zeros packed for int8_dots: (w, scales, codes, scale, zero)."""
+    """Random codes, scales and zeros packed for int8_dots: (w, scales, codes, scale, zero); 4 bits: a (scale, zero)
+    per group of 32, 8 bits: a scale per row and no zero, as quant.py makes them."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    if bits == 8:
+        scale = torch.rand(N, generator=g) * 0.01
+        return (*kernels.pack_dots(u, scale, None, bits), u, scale, None)
     scale = torch.rand(N, K // 32, generator=g) * 0.1
     zero = torch.randn(N, K // 32, generator=g) * 0.1
     return (*kernels.pack_dots(u, scale, zero, bits), u, scale, zero)
@@ -2430,11 +2434,15 @@ def packed(bits: int, N: int, K: int, seed: int = 0):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_dots_round_trips(bits):
-    """unpack_dots undoes pack_dots: every code in place, scale and zero rounded once to bf16."""
+    """unpack_dots undoes pack_dots: every code in place, scale and zero rounded once to bf16 (8 bits: the row's
+    scale in each of its groups, zero 0, and 2 bytes a row where (scale, zero) a group would take 4 a group)."""
     w, sz, u, scale, zero = packed(bits, 48, 96)
-    assert w.dtype == torch.uint8 and w.numel() == 48 * 96 * bits // 8 and sz.shape == (3, 3, 2, 16)
+    assert w.dtype == torch.uint8 and w.numel() == 48 * 96 * bits // 8
+    assert sz.shape == ((3, 3, 2, 16) if bits == 4 else (48,))
     got, s, z = kernels.unpack_dots(w, sz, 48, 96, bits)
     assert torch.equal(got, u)
+    if bits == 8:
+        scale, zero = scale[:, None].expand(48, 3), torch.zeros(48, 3)
     assert torch.equal(s, scale.bfloat16().float()) and torch.equal(z, zero.bfloat16().float())
 
 
@@ -2487,6 +2495,24 @@ def test_int8_dots_rows_do_not_depend_on_the_rows_beside_them(bits):
         together = mod.int8_dots(x, w, sz, 48, bits)
         alone = torch.cat([mod.int8_dots(x[i : i + 1].contiguous(), w, sz, 48, bits) for i in range(19)])
         assert torch.equal(together, alone)
+
+
+def test_on_huge_pages_moves_the_weights_into_one_buffer_with_their_numbers():
+    """kernels.on_huge_pages copies each matrix's codes and scales into one buffer, one after another on cache lines,
+    and the matrices multiply to the same numbers; the old tensors are let go."""
+    ws = [kernels.QuantWeight(f"dot{bits}", w, sz, (n, k)) for bits, n, k in [(4, 48, 96), (8, 32, 64), (4, 16, 320)]
+          for w, sz, *_ in [packed(bits, n, k, seed=n)]]
+    x = {k: torch.randn(3, k) for k in (96, 64, 320)}
+    before = [kernels.int8_dots_ref(x[w.shape[1]], w.data, w.scales, w.shape[0], int(w.kind[3])) for w in ws]
+    old = ws[0].data
+    assert kernels.on_huge_pages(ws) == (sys.platform == "linux")
+    assert ws[0].data is not old and ws[0].data.dtype == old.dtype and ws[0].data.shape == old.shape
+    ptrs = [t.data_ptr() for w in ws for t in (w.data, w.scales)]
+    sizes = [t.nbytes for w in ws for t in (w.data, w.scales)]
+    assert all(p % 64 == 0 for p in ptrs)
+    assert all(b - a == -(-n // 64) * 64 for a, b, n in zip(ptrs, ptrs[1:], sizes))  # one buffer, in order
+    for w, y in zip(ws, before):
+        assert torch.equal(kernels.int8_dots_ref(x[w.shape[1]], w.data, w.scales, w.shape[0], int(w.kind[3])), y)
 
 
 @pytest.mark.parametrize("argv, says", [(["--distances", "100"], "multiples of 64"), (["--distances", "4k"], "4k: not"),
@@ -2766,11 +2792,11 @@ def test_int4x8_runs_the_int4_and_int8_kernels_numbers(tmp_path):
 
 
 def test_int8_rows_become_dot8_with_their_own_numbers():
-    """An int8 matrix on the kernel's tiles runs as dot8: codes q + 128, its row scale in every group, the same
-    matrix exactly."""
+    """An int8 matrix on the kernel's tiles runs as dot8: codes q + 128 and its row's scale, once a row (2 bytes, not
+    a (scale, zero) per block of 32), the same matrix exactly."""
     m = quant.int8_rows(torch.randn(32, 64), torch.bfloat16)
     d = quant.int8_dots_of(m)
-    assert d.kind == "dot8" and torch.equal(kernels.dense(d), kernels.dense(m))
+    assert d.kind == "dot8" and torch.equal(kernels.dense(d), kernels.dense(m)) and d.scales.shape == (32,)
 
 
 def test_int4x8_greedy_decode_runs(tmp_path):
