@@ -138,12 +138,10 @@ def quantize(model, quant: str, ckpt):
         eight = int8_dots_of if quant == "int4x8" else lambda m: m
         made = [four(*map(torch.cat, zip(*items))) if kind == "int4" else eight(fused_int8(items))
                 for kind, items in runs]
+        if quant == "int4x8":  # streamed once a step: on 2 MiB pages where Linux gives them (kernels.py)
+            on_huge_pages([m for m in made if m.kind in ("dot4", "dot8")])
         owner._parameters.pop(attr, None)  # a Linear's weight was a Parameter: a plain attribute from now on
         setattr(owner, attr, made[0] if len(made) == 1 else tuple(made))
-    if quant == "int4x8":  # the kernel streams them once a step: 2 MiB pages where Linux gives them (kernels.py)
-        on_huge_pages([p for o, a, _ in model.matrices() for p in
-                       (getattr(o, a) if isinstance(getattr(o, a), tuple) else (getattr(o, a),))
-                       if p.kind in ("dot4", "dot8")])
 
 
 def bf16_copies(model) -> int:

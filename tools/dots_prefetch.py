@@ -8,9 +8,9 @@ PF constant was chosen; and with --pages, in 4 KiB pages against 2 MiB ones (why
 
 The kernel is compiled once per distance (its source with PF replaced; distance 0 drops the prefetch). Each then
 reads the 1.5B's matrices as a decode step reads them: 28 layers of fused q/k/v, o, gate/up and down (4-bit), then
-the LM head (int8), 1.03 GB of random codes, each read once a step, so none is still in cache. The distances (or
-the two kinds of pages) take turns round by round. Each prints its median ms a step and GB/s, beside the fp32 read roofline
-(bench.matvec_bandwidth) measured in the same process. Time it on an idle machine.
+the LM head (int8), 1.05 GB of random codes, each read once a step, so none is still in cache. The distances (or
+the two kinds of pages) take turns round by round. Each prints its median ms a step and GB/s, beside the fp32 read
+roofline (bench.matvec_bandwidth) measured in the same process. Time it on an idle machine.
 """
 
 import re
@@ -54,8 +54,8 @@ def main(argv=None):
     ap = Parser(description="The int8-dot kernel's read speed at each prefetch distance, the 1.5B's matrices.")
     ap.add_argument("--distances", default="0,2048,4096,8192", help="prefetch distances in bytes (0: none)")
     ap.add_argument("--rows", default="1", help="rows multiplied at once (the batch), a comma list")
-    ap.add_argument("--pages", action="store_true", help="instead of the distances: the shipped kernel with its weights "
-                    "in 4 KiB pages and in 2 MiB pages (kernels.on_huge_pages)")
+    ap.add_argument("--pages", action="store_true", help="instead of the distances: the shipped kernel with its "
+                    "weights in 4 KiB pages and in 2 MiB pages (kernels.on_huge_pages)")
     ap.add_argument("--rounds", type=int, default=9, help="steps per distance, taken in turns (the first is warm-up)")
     args = ap.parse_args(argv)
     try:
