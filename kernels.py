@@ -422,11 +422,11 @@ def unpack_dots(w: Tensor, sz: Tensor, n: int, k: int, bits: int) -> tuple[Tenso
 def on_huge_pages(weights: list[QuantWeight]) -> bool:
     """Move the weights' packed codes and scales into one buffer that Linux is asked to back with 2 MiB pages
     (madvise MADV_HUGEPAGE, honoured where /sys/kernel/mm/transparent_hugepage/enabled says madvise or always).
-    quant.py moves each matrix as it is made, so memory holds two copies of one matrix at most. Why: a batch-1 step streams every matrix
-    once (the 1.5B's 1.13 GB); in 4 KiB pages that is 275,000 pages a step, each a TLB miss, and the CPU's prefetchers
-    stop at each page's end. On an AMD EPYC the products ran 1.08x faster on the model's matrices, 1.15x on random
-    codes (tools/dots_prefetch.py --pages). The same bytes, so the same numbers. Returns whether the advice was
-    taken (elsewhere the buffer has ordinary pages)."""
+    quant.py moves each matrix as it is made, so memory holds two copies of one matrix at most. Why: a batch-1 step
+    streams every matrix once (the 1.5B's 1.13 GB); in 4 KiB pages that is 275,000 pages a step, each a TLB miss,
+    and the CPU's prefetchers stop at each page's end. On an AMD EPYC the products ran 1.07-1.09x faster on the
+    model's matrices, 1.15x on random codes (tools/dots_prefetch.py --pages). The same bytes, so the same numbers.
+    Returns whether the advice was taken (elsewhere the buffer has ordinary pages)."""
     slots = [(w, name) for w in weights for name in ("data", "scales")]  # no tensor held here: each old one can go
     if not slots:
         return False
