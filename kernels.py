@@ -4,8 +4,9 @@ Triton for CUDA tensors when triton imports, else the reference (the production 
 linear (fp32, bf16, int8 or int4 weights), rms_norm and rope run in every layer; window_attn_mass is the scorer
 that SnapKV, VASE, CriticalKV, R-KV and H2O share: the softmax attention of a window of queries over the cache,
 summed per key. Laid out top to bottom: the matmul dispatch and QuantWeight; int8_dots, a small C++ kernel (built
-once with load_inline) of int8 activations times 4- and 8-bit codes with AVX-512 VNNI, beside its torch reference
-(--quant int4x8); then the Triton kernels, each with its reference.
+once with load_inline) of int8 activations times 4- and 8-bit codes with AVX-512 VNNI, its weights' packing and
+their move onto huge pages, beside its torch reference (--quant int4x8); then the Triton kernels, each with its
+reference.
 Left out: backward passes, autotuning, and a fused attention for the forward pass (model.py uses SDPA).
 References: Triton tutorials 02, 05 and 06 (softmax, layer norm, fused attention);
 SnapKV https://arxiv.org/abs/2404.14469; H2O https://arxiv.org/abs/2306.14048.
